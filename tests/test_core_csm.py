@@ -1,0 +1,132 @@
+"""Chunked Soft Matching and degree-weighted merging, as pure tensor functions."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from centroidkv.csm import csm_compress, match_within_chunks, merge_tokens
+from centroidkv.methods import LayerKV
+from centroidkv.schedule import LinearSchedule
+
+
+def random_kv(batch=1, heads=2, length=40, dim=8, seed=0) -> LayerKV:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, heads, length, dim, generator=gen)
+    values = torch.randn(batch, heads, length, dim, generator=gen)
+    return LayerKV(keys, values, torch.zeros(batch, heads, length))
+
+
+def brute_force_edges(keys: torch.Tensor, chunk_size: int) -> dict[int, tuple[float, int]]:
+    """For one head: every A position -> (best similarity, best B position) in its chunk, by loops."""
+    length = keys.shape[0]
+    normed = F.normalize(keys, dim=-1)
+    edges = {}
+    for a in range(0, length, 2):
+        chunk = a // chunk_size
+        candidates = [b for b in range(chunk * chunk_size + 1, min((chunk + 1) * chunk_size, length), 2)]
+        if candidates:
+            scores = [float(normed[a] @ normed[b]) for b in candidates]
+            best = max(range(len(scores)), key=scores.__getitem__)
+            edges[a] = (scores[best], candidates[best])
+    return edges
+
+
+@pytest.mark.parametrize("length,chunk_size", [(40, 8), (37, 8), (64, 16), (9, 4)])
+def test_matching_alternates_stays_in_chunk_and_takes_global_top(length, chunk_size):
+    kv = random_kv(length=length)
+    n_merge = length // 4
+    src, dst = match_within_chunks(kv.keys, n_merge, chunk_size)
+    for head in range(2):
+        edges = brute_force_edges(kv.keys[0, head], chunk_size)
+        chosen = src[0, head].tolist()
+        assert all(a % 2 == 0 for a in chosen), "sources must be A (even) positions"
+        assert all(b % 2 == 1 for b in dst[0, head].tolist()), "destinations must be B (odd) positions"
+        assert all(a // chunk_size == b // chunk_size for a, b in zip(chosen, dst[0, head].tolist()))
+        for a, b in zip(chosen, dst[0, head].tolist()):
+            assert edges[a][1] == b, "each A merges into its most similar B"
+        # global top-r: no unchosen edge beats the weakest chosen one
+        weakest = min(edges[a][0] for a in chosen)
+        assert all(score <= weakest + 1e-6 for a, (score, _) in edges.items() if a not in chosen)
+
+
+def test_no_cross_chunk_match_even_when_better_outside():
+    # Token 0 is identical to token 5 (another chunk of 4) and orthogonal-ish to its own B (1, 3).
+    keys = torch.eye(8).repeat(1, 1, 1, 1)[:, :, :8, :]  # 8 orthonormal keys
+    keys[0, 0, 5] = keys[0, 0, 0]
+    src, dst = match_within_chunks(keys, 4, chunk_size=4)
+    pairs = dict(zip(src[0, 0].tolist(), dst[0, 0].tolist()))
+    assert pairs[0] in (1, 3)
+
+
+def test_weighted_merge_matches_hand_computation():
+    # Tokens (degree): t0 (1), t1 (3), t2 (2), t3 (1). Merge t0 and t2 into t1.
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [5.0, 5.0]]).view(1, 1, 4, 2)
+    values = torch.tensor([[1.0], [2.0], [3.0], [4.0]]).view(1, 1, 4, 1)
+    log_degree = torch.tensor([1.0, 3.0, 2.0, 1.0]).log().view(1, 1, 4)
+    src, dst = torch.tensor([[[0, 2]]]), torch.tensor([[[1, 1]]])
+    out = merge_tokens(LayerKV(keys, values, log_degree), src, dst)
+    # key of the centroid: (1*[1,0] + 3*[0,1] + 2*[2,2]) / 6 = [5/6, 7/6]; value: (1 + 6 + 6) / 6 = 13/6
+    torch.testing.assert_close(out.keys[0, 0], torch.tensor([[5 / 6, 7 / 6], [5.0, 5.0]]))
+    torch.testing.assert_close(out.values[0, 0], torch.tensor([[13 / 6], [4.0]]))
+    torch.testing.assert_close(out.log_degree[0, 0].exp(), torch.tensor([6.0, 1.0]))
+
+
+def test_round_cannot_remove_more_than_half():
+    kv = random_kv(length=20)
+    with pytest.raises(ValueError, match="at most half"):
+        match_within_chunks(kv.keys, 11, chunk_size=8)
+
+
+def test_compress_runs_rounds_each_at_most_half_and_conserves_degree(monkeypatch):
+    import centroidkv.csm as csm
+
+    rounds = []
+    real_round = csm.csm_round
+
+    def recording_round(kv, n_merge, chunk_size):
+        rounds.append((kv.length, n_merge))
+        return real_round(kv, n_merge, chunk_size)
+
+    monkeypatch.setattr(csm, "csm_round", recording_round)
+    schedule = LinearSchedule(r_init=0.9, delta_r=0.3, r_min=0.2)
+    out = csm.csm_compress(random_kv(length=200), target_len=30, chunk_size=16, schedule=schedule)
+    assert out.length == 30
+    torch.testing.assert_close(out.log_degree.exp().sum(-1), torch.full((1, 2), 200.0))
+    assert len(rounds) > 2, "reaching 15 % from 100 % needs several rounds"
+    for j, (length, n_merge) in enumerate(rounds):
+        assert n_merge <= length // 2
+        assert n_merge == min(length - 30, max(1, int(schedule.rate(j) * (length // 2))))
+
+
+def test_schedule_is_linear_and_clamped():
+    schedule = LinearSchedule(r_init=0.9, delta_r=0.25, r_min=0.2)
+    assert [schedule.rate(j) for j in range(5)] == pytest.approx([0.9, 0.65, 0.4, 0.2, 0.2])
+
+
+def test_duplicate_pairs_merge_to_exact_attention():
+    """Tokens repeated in pairs, merged 2 -> 1 with log 2, give the uncompressed attention output."""
+    gen = torch.Generator().manual_seed(1)
+    base_k, base_v = torch.randn(1, 2, 32, 16, generator=gen), torch.randn(1, 2, 32, 16, generator=gen)
+    keys, values = base_k.repeat_interleave(2, dim=2), base_v.repeat_interleave(2, dim=2)
+    kv = LayerKV(keys, values, torch.zeros(1, 2, 64))
+    merged = csm_compress(kv, 32, chunk_size=16, schedule=LinearSchedule(1.0, 0.0, 1.0))
+    assert merged.length == 32
+    torch.testing.assert_close(merged.keys, base_k)
+    torch.testing.assert_close(merged.log_degree, torch.full((1, 2, 32), math.log(2)))
+    query = torch.randn(1, 2, 5, 16, generator=gen)
+    full = F.scaled_dot_product_attention(query, keys, values)
+    bias = merged.log_degree.unsqueeze(2)
+    compressed = F.scaled_dot_product_attention(query, merged.keys, merged.values, attn_mask=bias)
+    torch.testing.assert_close(compressed, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_stays_finite_with_huge_degrees(dtype):
+    kv = random_kv(length=64, dim=16)
+    kv = LayerKV(kv.keys.to(dtype), kv.values.to(dtype), torch.full((1, 2, 64), math.log(1e5)))
+    out = csm_compress(kv, 20, chunk_size=16, schedule=LinearSchedule(0.5, 0.1, 0.2))
+    assert out.keys.dtype == dtype
+    assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
+    torch.testing.assert_close(out.log_degree.exp().sum(-1), torch.full((1, 2), 64 * 1e5), rtol=1e-5, atol=0)
