@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -24,6 +25,8 @@ from transformers import (
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
+
+transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
 EMBEDDED_MODEL = "smollm2-135m"
 HUB_MODELS = {

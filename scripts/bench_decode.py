@@ -1,0 +1,162 @@
+"""Decode benchmark: full cache vs CentroidKV side by side, and the cost of Chunked Soft Matching.
+
+Part 1 (embedded model, or any `--model`): for each prompt length, one prefill shared by all runs,
+then full cache and CentroidKV at each budget: TTFT, TPOT, KV bytes, the measured TPOT ratio, and the
+memory-traffic limit (weights + R * KV) / (weights + KV) that a decode step bound by memory reads
+would reach. Decoding runs long enough (`--new-tokens`, default 2 g) to include re-compressions.
+
+Part 2: time of one CSM round vs sequence length (8 KV heads, head_dim 128 by default) with the
+log-log slope, next to all-pairs bipartite matching (every A against every B, ToMe-style).
+
+    python scripts/bench_decode.py                      # the full table (a few minutes on 2 cores)
+    python scripts/bench_decode.py --lengths 1024 --csm-lengths 4096 8192   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from centroidkv.csm import csm_round
+from centroidkv.methods import LayerKV
+from centroidkv.models import MODEL_NAMES, check_model_name
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--csm-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--all-pairs-max", type=int, default=16384, help="longest n for all-pairs matching")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-csm", action="store_true")
+    args = parser.parse_args(argv)
+    try:  # validate everything before a model loads
+        check_model_name(args.model)
+        if any(n < 256 for n in args.lengths + args.csm_lengths):
+            raise ValueError("lengths must be >= 256 tokens")
+        if any(not 0 < b <= 1 for b in args.budgets):
+            raise ValueError("budgets must be fractions in (0, 1]")
+        if args.new_tokens < 2:
+            raise ValueError("--new-tokens must be >= 2 (the first step is a warm-up)")
+    except ValueError as error:
+        parser.exit(2, f"bench_decode: error: {error}\n")
+    return args
+
+
+def noise_prompt(tokenizer, length: int) -> torch.Tensor:
+    """A prompt of exactly `length` tokens of RULER's noise haystack."""
+    ids = tokenizer(NOISE * (length // 10), add_special_tokens=False).input_ids
+    if len(ids) < length:
+        raise ValueError(f"noise text too short for {length} tokens")
+    return torch.tensor([ids[:length]])
+
+
+def decode_table(args: argparse.Namespace) -> None:
+    from centroidkv import get_method, load_model
+    from centroidkv.decoding import generate_from, prefill
+
+    model, tokenizer = load_model(args.model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    device = next(model.parameters()).device
+    print(
+        f"\n## Decode: {args.model} on {device}, {torch.get_num_threads()} threads, "
+        f"{args.new_tokens} new tokens, weights {weight_bytes / 2**20:.0f} MiB\n"
+    )
+    header = "| n | method | budget | TTFT s | compress s | TPOT ms | KV MiB | TPOT ratio | traffic limit |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for length in args.lengths:
+        if tokenizer is None:
+            ids = torch.randint(3, model.config.vocab_size, (1, length))
+        else:
+            ids = noise_prompt(tokenizer, length)
+        prefilled = prefill(model, ids.to(device), args.new_tokens)
+        runs = [("full", 1.0)] + [("centroidkv", b) for b in args.budgets]
+        full_tpot = full_kv = None
+        for name, budget in runs:
+            result = generate_from(model, prefilled, get_method(name), budget, args.new_tokens)
+            if name == "full":
+                full_tpot, full_kv = result.tpot_s, result.kv_bytes
+                # the full cache's size over the whole run, to compare with R * (n + Gamma)
+                full_kv = full_kv * (length + args.new_tokens) / (length + len(result.tokens[0]) - 1)
+            limit = (weight_bytes + budget * full_kv) / (weight_bytes + full_kv)
+            print(
+                f"| {length} | {name} | {budget:g} | {result.ttft_s:.2f} | {result.compress_s:.3f} | "
+                f"{result.tpot_s * 1e3:.1f} | {result.kv_bytes / 2**20:.1f} | "
+                f"{result.tpot_s / full_tpot:.3f} | {limit:.3f} |",
+                flush=True,
+            )
+        print(f"| {length} | (prefill) | | {prefilled.seconds:.2f} | | | | | |", flush=True)
+
+
+def all_pairs_matching(keys: torch.Tensor, n_merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bipartite soft matching over the whole sequence (A = even, B = odd, every pair compared)."""
+    normed = F.normalize(keys.float(), dim=-1)
+    set_a, set_b = normed[:, :, 0::2], normed[:, :, 1::2]
+    best_score, best_b = (set_a @ set_b.transpose(-1, -2)).max(dim=-1)
+    top_a = best_score.topk(n_merge, dim=-1).indices
+    return 2 * top_a, 2 * best_b.gather(-1, top_a) + 1
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def csm_table(args: argparse.Namespace) -> None:
+    print(
+        f"\n## One matching round: {args.kv_heads} KV heads, head_dim {args.head_dim}, chunk 256, "
+        f"merging n/4 tokens, {torch.get_num_threads()} threads\n"
+    )
+    print("| n | CSM round ms | all-pairs matching ms | all-pairs / CSM |")
+    print("|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for n in args.csm_lengths:
+        keys = torch.randn(1, args.kv_heads, n, args.head_dim, generator=gen)
+        kv = LayerKV(keys, torch.randn_like(keys), torch.zeros(1, args.kv_heads, n))
+        csm_s = best_time(lambda kv=kv, n=n: csm_round(kv, n // 4, 256))
+        points.append((n, csm_s))
+        if n <= args.all_pairs_max:
+            pairs_s = best_time(lambda keys=keys, n=n: all_pairs_matching(keys, n // 4), repeats=1)
+            print(f"| {n} | {csm_s * 1e3:.1f} | {pairs_s * 1e3:.1f} | {pairs_s / csm_s:.1f}x |", flush=True)
+        else:
+            print(f"| {n} | {csm_s * 1e3:.1f} | (skipped: > --all-pairs-max) | |", flush=True)
+    if len(points) >= 2:
+        xs = [math.log(n) for n, _ in points]
+        ys = [math.log(s) for _, s in points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        print(f"\nlog-log slope of CSM time vs n: {slope:.2f} (1.0 = linear; all-pairs is 2.0)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.skip_csm:
+        csm_table(args)
+    if not args.skip_decode:
+        decode_table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
