@@ -1,3 +1,3 @@
 """Baseline compression methods, one file each; importing this package registers them all."""
 
-from baselines import full  # noqa: F401
+from baselines import cam, full, h2o, kmeans, pyramidkv, snapkv, streaming_llm  # noqa: F401
