@@ -35,16 +35,17 @@ def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Te
     if n_merge > length // 2:
         raise ValueError(f"cannot merge {n_merge} of {length} tokens in one round (at most half)")
     n_chunks = -(-length // chunk_size)
-    padded = F.pad(F.normalize(keys.float(), dim=-1), (0, 0, 0, n_chunks * chunk_size - length))
+    padding = n_chunks * chunk_size - length
+    normed = F.normalize(keys.float(), dim=-1)
+    if padding:
+        normed = F.pad(normed, (0, 0, 0, padding))
     # Because chunk_size is even, "even position inside the chunk" is "even position in the sequence".
-    pairs = padded.view(batch, heads, n_chunks, half, 2, head_dim)
+    pairs = normed.view(batch, heads, n_chunks, half, 2, head_dim)
     set_a, set_b = pairs[..., 0, :], pairs[..., 1, :]
     similarity = set_a @ set_b.transpose(-1, -2)  # [B, H, chunks, half (A), half (B)]
-
-    # Padding B slots must never be chosen; A slots without any real B partner score -inf.
-    slot = torch.arange(n_chunks * half, device=keys.device).view(n_chunks, half)
-    b_position = 2 * slot + 1  # B slot s sits right after A slot s
-    similarity = similarity.masked_fill((b_position >= length)[None, None, :, None, :], float("-inf"))
+    if padding:  # padding B slots are never chosen; an A slot without a real B partner scores -inf
+        b_position = 2 * torch.arange(half, device=keys.device) + 1 + (n_chunks - 1) * chunk_size
+        similarity[:, :, -1].masked_fill_((b_position >= length)[None, None, None, :], float("-inf"))
     best_score, best_b = similarity.max(dim=-1)  # [B, H, chunks, half]
 
     top_a = best_score.flatten(2).topk(n_merge, dim=-1).indices  # A slot ids, [B, H, n_merge]
@@ -58,31 +59,40 @@ def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
     """Merge the tokens at `src` into those at `dst` ([B, H, M]) by degree-weighted means.
 
     x_b <- (n_b x_b + sum n_a x_a) / (n_b + sum n_a) for keys and values; n_b <- n_b + sum n_a.
-    Sums run in float32 so degrees up to 1e5+ stay exact enough in half precision caches.
-    The surviving tokens keep their order.
+    Written as x_b + sum_a w_a (x_a - x_b) with w_a = n_a / (n_b + sum n_a), so only the M merged
+    rows are computed (in float32) and the rest is a single row copy. Degrees stay in float32, so
+    half-precision caches handle degrees of 1e5 and more. The surviving tokens keep their order.
     """
     batch, heads, length = kv.log_degree.shape
-    degree = kv.log_degree.float().exp()
+    n_merge = src.shape[-1]
+    # Flatten (batch, head, token) into rows so gathers and scatters move whole rows.
+    offsets = (torch.arange(batch * heads, device=src.device) * length).view(batch, heads, 1)
+    src_row, dst_row = (src + offsets).flatten(), (dst + offsets).flatten()
+    degree = kv.log_degree.float().exp().flatten()
+    new_degree = degree.index_add(0, dst_row, degree[src_row])
+    weight = (degree[src_row] / new_degree[dst_row]).unsqueeze(1)
 
-    def weighted_mean(x: Tensor) -> Tensor:
-        src_x, dst_x = (i.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]) for i in (src, dst))
-        total = x.float() * degree.unsqueeze(-1)
-        total.scatter_add_(2, dst_x, total.gather(2, src_x))
-        return total
+    is_src = torch.zeros(batch * heads * length, dtype=torch.bool, device=src.device)
+    is_src[src_row] = True
+    keep_row = (~is_src).nonzero().squeeze(1)  # survivors, in order; every head keeps length - M
+    dst_kept = (~is_src).cumsum(0)[dst_row] - 1  # where each destination lands among the survivors
 
-    keys_sum, values_sum = weighted_mean(kv.keys), weighted_mean(kv.values)
-    new_degree = degree.scatter_add(2, dst, degree.gather(2, src))
-    keys = (keys_sum / new_degree.unsqueeze(-1)).to(kv.keys.dtype)
-    values = (values_sum / new_degree.unsqueeze(-1)).to(kv.values.dtype)
+    def merged(x: Tensor) -> Tensor:
+        rows = x.reshape(batch * heads * length, -1)
+        delta = (rows[src_row].float() - rows[dst_row].float()) * weight
+        out = rows.index_select(0, keep_row).index_add_(0, dst_kept, delta.to(x.dtype))
+        return out.view(batch, heads, length - n_merge, -1)
+
     attention_sum = kv.attention_sum
     if attention_sum is not None:  # a centroid has received the attention of all its members
-        attention_sum = attention_sum.scatter_add(2, dst, attention_sum.gather(2, src))
-    merged = LayerKV(keys, values, new_degree.log(), attention_sum)
-
-    # Drop the sources: a stable sort of the "is source" flags lists the survivors first, in order.
-    is_src = torch.zeros(batch, heads, length, dtype=torch.int8, device=src.device).scatter_(2, src, 1)
-    keep = torch.sort(is_src, dim=-1, stable=True).indices[..., : length - src.shape[-1]]
-    return merged.select(keep)
+        flat = attention_sum.flatten()
+        attention_sum = flat.index_add(0, dst_row, flat[src_row])[keep_row].view(batch, heads, -1)
+    return LayerKV(
+        keys=merged(kv.keys),
+        values=merged(kv.values),
+        log_degree=new_degree.log()[keep_row].view(batch, heads, -1),
+        attention_sum=attention_sum,
+    )
 
 
 def csm_round(kv: LayerKV, n_merge: int, chunk_size: int) -> LayerKV:
