@@ -50,6 +50,15 @@ COMMON_BAD = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def model(request):
     return load_model(request.param)[0]

