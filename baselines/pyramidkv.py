@@ -12,7 +12,7 @@ last layer, so their mean is b and the total over the layers is the same as Snap
 cumulative sums, so the integer budgets add up to exactly n_layers * b; each middle budget is at
 least 1. A layer whose budget exceeds its length simply keeps everything (then the model keeps
 fewer tokens in total than SnapKV would; the PyramidKV code caps the top at the prompt length and
-lowers `min` in exchange, which kvpress mirrors: we do not redistribute).
+raises `min` in exchange, which kvpress mirrors; we do not redistribute).
 
 Parameters: those of SnapKV (window_size 32, kernel_size 5, pooling "avgpool", n_sink 0,
 n_recent 32, g 64) and
