@@ -34,3 +34,40 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# --- Harness: reproduction runs, sweeps, tables, figures (results/<experiment>/, paper_figures/) ---
+# make reproduce-ruler                     embedded SmolLM2 on CPU (experiment reproduce_ruler_cpu)
+# make reproduce-ruler MODEL=llama3.1-8b   the paper's setting on a GPU (experiment reproduce_ruler)
+# ARGS="..." adds Hydra overrides, e.g. ARGS="benchmark.n_samples=2 logger=none".
+RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,reproduce_ruler)
+R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
+ARGS ?=
+
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables
+
+reproduce-ruler: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/tables.py results/$(RULER_EXPERIMENT)
+	$(PYTHON) scripts/figures.py results/$(RULER_EXPERIMENT)
+
+# LongBench from the hub, or LONGBENCH_DIR=<folder of LongBench jsonl files>; the paper used MODEL=llama3.1-8b.
+reproduce-longbench: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=reproduce_longbench model=$(MODEL) \
+		$(if $(LONGBENCH_DIR),benchmark.data_dir=$(LONGBENCH_DIR)) $(ARGS)
+	$(PYTHON) scripts/tables.py results/reproduce_longbench
+
+sweep-r: $(STAMP)
+	$(PYTHON) scripts/run.py -m experiment=sweep_r model=$(MODEL) method.params.r_init=$(R_VALUES) $(ARGS)
+	$(PYTHON) scripts/tables.py results/sweep_r
+	$(PYTHON) scripts/figures.py results/sweep_r
+
+speed: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=speed model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/tables.py results/speed
+	$(PYTHON) scripts/figures.py results/speed
+
+tables: $(STAMP)
+	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || exit 1; done
+
+figures: $(STAMP)
+	$(PYTHON) scripts/figures.py results

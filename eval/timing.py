@@ -1,0 +1,147 @@
+"""Timing and memory: CUDA events on a GPU, `perf_counter` on CPU; peak memory per device.
+
+`Timer(device).span()` times a block in seconds. On CUDA the block is bracketed by events and the
+end event is synchronised, so asynchronous kernels are counted; on CPU wall time is exact enough.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Span:
+    seconds: float = 0.0
+
+
+class Timer:
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    @contextmanager
+    def span(self) -> Iterator[Span]:
+        result = Span()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield result
+            end.record()
+            end.synchronize()
+            result.seconds = start.elapsed_time(end) / 1000.0
+        else:
+            start_time = time.perf_counter()
+            yield result
+            result.seconds = time.perf_counter() - start_time
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a new peak-memory window (CUDA only; CPU peak RSS is process-wide and cannot be reset)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device | str) -> tuple[int, str]:
+    """(bytes, kind): CUDA max allocated since the last reset, or the process's peak RSS on CPU."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024), "cpu_peak_rss"
+
+
+def measure_prefill_sharing(
+    model_name: str = "smollm2-135m",
+    length: int = 4096,
+    task: str = "niah_single_1",
+    budget: float = 0.5,
+    methods: tuple[str, ...] = (
+        "full",
+        "centroidkv",
+        "streaming_llm",
+        "h2o",
+        "snapkv",
+        "pyramidkv",
+        "kmeans",
+        "cam",
+    ),
+    max_new_tokens: int = 32,
+) -> dict:
+    """Cost of N methods on one sample through the shared prefill, against one prefill + N decodes.
+
+    shared_s: wall time of the runner's `run_sample` for all N methods (recording prefill, forks,
+    compressions, decodes, scoring). reference_s: one plain prefill (full cache, nothing recorded)
+    + the N decode loops (decode_only) or + the N compress-and-decode parts (with_compress).
+    separate_s: what N independent runs would cost (N plain prefills + the same N parts).
+    """
+    from centroidkv import CompressedCache, load_model
+    from eval.config import MethodSpec, _method_file_params
+    from eval.runner import Evaluator, encode_prompt, load_samples, warm_up
+
+    model, tokenizer = load_model(model_name)
+    specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget, _method_file_params(m)) for m in methods)
+    try:
+        from eval.config import BenchmarkConfig
+
+        bench = BenchmarkConfig("ruler", (task,), (length,), 1)
+        sample = load_samples(bench, tokenizer)[0]
+    except ImportError:
+        bench = BenchmarkConfig("toy", ("toy",), (length,), 1)
+        sample = load_samples(bench, tokenizer)[0]
+    evaluator = Evaluator(model, tokenizer, specs, bench.name, context_only=False)
+    warm_up(evaluator)
+    head, _ = encode_prompt(sample, tokenizer, context_only=False)
+    timer = Timer(evaluator.device)
+    with torch.inference_mode(), timer.span() as plain:
+        model(
+            evaluator.ids(head),
+            past_key_values=CompressedCache("full", 1.0, max_new_tokens),
+            logits_to_keep=1,
+        )
+    with timer.span() as shared:
+        records = evaluator.run_sample(sample, list(specs), max_new_tokens)
+    failed = [r["method"] for r in records if r["status"] != "ok"]
+    ok = [r for r in records if r["status"] == "ok"]
+    decode = sum((r["tpot"] or 0.0) * r["n_decode_steps"] for r in ok)
+    compress = sum(r["compress_s"] for r in ok)
+    return dict(
+        model=model_name,
+        context_length=len(head),
+        n_methods=len(specs),
+        failed=failed,
+        plain_prefill_s=plain.seconds,
+        recording_prefill_s=ok[0]["prefill_s"] if ok else None,
+        decode_s=decode,
+        compress_s=compress,
+        shared_s=shared.seconds,
+        ratio_decode_only=shared.seconds / (plain.seconds + decode),
+        ratio_with_compress=shared.seconds / (plain.seconds + decode + compress),
+        separate_s=len(specs) * plain.seconds + decode + compress,
+    )
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="Measure prefill sharing: N methods on one sample.")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--methods", default="full,centroidkv,streaming_llm,h2o,snapkv,pyramidkv,kmeans,cam")
+    args = parser.parse_args()
+    result = measure_prefill_sharing(
+        args.model,
+        args.length,
+        budget=args.budget,
+        methods=tuple(args.methods.split(",")),
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(json.dumps(result, indent=2))

@@ -1,0 +1,261 @@
+"""The paper's tables from any set of results, as Markdown and LaTeX.
+
+  python scripts/tables.py results/reproduce_ruler_cpu            # -> results/reproduce_ruler_cpu/tables/
+  python scripts/tables.py results/a results/b --out my_tables/
+
+Tables: RULER tasks x methods per budget (with the average), LongBench datasets x methods per budget,
+TPOT / TTFT / KV memory vs context length. Scores are means over the samples that ran; failed runs
+are left out of the means and counted in the "failed" column. The full cache (budget 1.0) is the
+reference row of every budget's table. The Markdown is also printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import pandas as pd  # noqa: E402
+
+from eval.records import iter_records  # noqa: E402
+
+METHOD_ORDER = ["full", "centroidkv", "streaming_llm", "h2o", "snapkv", "pyramidkv", "kmeans", "cam"]
+METHOD_NAMES = {
+    "full": "Full cache",
+    "centroidkv": "CentroidKV",
+    "streaming_llm": "StreamingLLM",
+    "h2o": "H2O",
+    "snapkv": "SnapKV",
+    "pyramidkv": "PyramidKV",
+    "kmeans": "K-Means",
+    "cam": "CaM",
+}
+TASK_NAMES = {
+    "niah_single_1": "S-NIAH-1",
+    "niah_single_2": "S-NIAH-2",
+    "niah_single_3": "S-NIAH-3",
+    "niah_multikey_1": "MK-NIAH-1",
+    "niah_multikey_2": "MK-NIAH-2",
+    "niah_multikey_3": "MK-NIAH-3",
+    "niah_multivalue": "MV-NIAH",
+    "niah_multiquery": "MQ-NIAH",
+    "vt": "VT",
+    "cwe": "CWE",
+    "fwe": "FWE",
+    "qa_1": "QA-1",
+    "qa_2": "QA-2",
+}
+
+
+def load(paths: list[Path]) -> pd.DataFrame:
+    """All records under `paths` as a DataFrame, with a `label` per method and parameter set."""
+    df = pd.DataFrame(list(iter_records(paths)))
+    if df.empty:
+        return df
+    df["params_json"] = df["params"].map(lambda p: json.dumps(p, sort_keys=True))
+    df["label"] = df["method"].map(lambda m: METHOD_NAMES.get(m, m))
+    # A method run with several parameter sets (an r sweep) gets the differing parameters in its label.
+    for (experiment, method), group in df.groupby(["experiment", "method"]):
+        variants = group["params_json"].unique()
+        if len(variants) < 2:
+            continue
+        dicts = [json.loads(v) for v in variants]
+        differing = sorted(k for k in set().union(*dicts) if len({json.dumps(d.get(k)) for d in dicts}) > 1)
+        for variant, params in zip(variants, dicts, strict=True):
+            suffix = ", ".join(f"{k}={params.get(k)}" for k in differing)
+            mask = (
+                (df["experiment"] == experiment) & (df["method"] == method) & (df["params_json"] == variant)
+            )
+            df.loc[mask, "label"] = f"{METHOD_NAMES.get(method, method)} ({suffix})"
+    df["ok"] = df["status"] == "ok"
+    df["method_rank"] = df["method"].map(
+        lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER)
+    )
+    return df
+
+
+def score_table(df: pd.DataFrame, budget: float, names: dict[str, str] | None = None) -> pd.DataFrame:
+    """Methods x tasks mean score at `budget` (the full cache as reference), with Avg and failed count."""
+    rows = df[(df["budget"] == budget) | (df["method"] == "full")]
+    ok = rows[rows["ok"]]
+    table = ok.pivot_table(index="label", columns="task", values="score", aggfunc="mean")
+    tasks = [t for t in (names or {}) if t in table.columns] + sorted(
+        t for t in table.columns if t not in (names or {})
+    )
+    table = table[tasks]
+    table["Avg"] = table.mean(axis=1, skipna=False)
+    table["n"] = ok.groupby("label").size()
+    table["failed"] = rows[~rows["ok"]].groupby("label").size().reindex(table.index).fillna(0).astype(int)
+    order = rows.drop_duplicates("label").sort_values(["method_rank", "params_json"])["label"]
+    table = table.reindex([label for label in order if label in table.index])
+    table.columns = [(names or {}).get(c, c) for c in table.columns]
+    table.index.name = "Method"
+    return table
+
+
+def speed_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Method@budget x context length: mean TPOT (ms), TTFT (s) and KV cache (MiB)."""
+    ok = df[df["ok"]].copy()
+    ok["who"] = ok.apply(
+        lambda r: r["label"] if r["method"] == "full" else f"{r['label']} @ {r['budget']:g}", axis=1
+    )
+    ok["tpot_ms"] = ok["tpot"] * 1000
+    ok["kv_mib"] = ok["kv_bytes"] / 2**20
+    parts = []
+    for column, title in (("tpot_ms", "TPOT ms"), ("ttft", "TTFT s"), ("kv_mib", "KV MiB")):
+        part = ok.pivot_table(index="who", columns="length", values=column, aggfunc="mean")
+        part.columns = [f"{title} @ {int(c)}" for c in part.columns]
+        parts.append(part)
+    table = pd.concat(parts, axis=1)
+    order = ok.drop_duplicates("who").sort_values(["method_rank", "budget"])["who"]
+    table = table.reindex(list(order))
+    table.index.name = "Method"
+    return table
+
+
+def _fmt(value, digits: int) -> str:
+    if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer() and digits == 0):
+        return str(int(value))
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _best(table: pd.DataFrame, column: str) -> float | None:
+    """The best score among compressing methods in a column (bolded), or None."""
+    candidates = table.loc[[i for i in table.index if not str(i).startswith("Full")], column]
+    candidates = pd.to_numeric(candidates, errors="coerce").dropna()
+    return None if candidates.empty else candidates.max()
+
+
+def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
+    counts = {"n", "failed"}
+    header = [table.index.name or ""] + list(map(str, table.columns))
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
+    best = {c: _best(table, c) for c in table.columns if c not in counts} if bold_best else {}
+    for label, row in table.iterrows():
+        cells = [str(label)]
+        for column in table.columns:
+            text = _fmt(row[column], 0 if column in counts else digits)
+            if (
+                best.get(column) is not None
+                and not str(label).startswith("Full")
+                and row[column] == best[column]
+            ):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
+    counts = {"n", "failed"}
+
+    def esc(text: str) -> str:
+        return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
+
+    best = {c: _best(table, c) for c in table.columns if c not in counts} if bold_best else {}
+    lines = [
+        r"\begin{table}[t]",
+        r"\centering",
+        r"\small",
+        rf"\caption{{{esc(caption)}}}",
+        r"\begin{tabular}{l" + "r" * len(table.columns) + "}",
+        r"\toprule",
+        " & ".join([esc(table.index.name or "")] + [esc(c) for c in table.columns]) + r" \\",
+        r"\midrule",
+    ]
+    for label, row in table.iterrows():
+        cells = [esc(label)]
+        for column in table.columns:
+            text = _fmt(row[column], 0 if column in counts else digits)
+            if (
+                best.get(column) is not None
+                and not str(label).startswith("Full")
+                and row[column] == best[column]
+            ):
+                text = rf"\textbf{{{text}}}"
+            cells.append(text)
+        lines.append(" & ".join(cells) + r" \\")
+        if str(label).startswith("Full"):
+            lines.append(r"\midrule")
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(lines)
+
+
+def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
+    """name -> (caption, table, digits) for every table the records allow."""
+    tables: dict[str, tuple[str, pd.DataFrame, int]] = {}
+    for bench, names, title in (("ruler", TASK_NAMES, "RULER"), ("longbench", None, "LongBench")):
+        part = df[df["benchmark"] == bench]
+        if part.empty:
+            continue
+        models = ", ".join(sorted(part["model"].dropna().unique()))
+        lengths = ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
+        budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
+        for budget in budgets or [1.0]:
+            caption = f"{title} scores (0-100) at budget {budget:g}, {models}, context {lengths} tokens"
+            tables[f"{bench}_budget{budget:g}"] = (caption, score_table(part, budget, names), 1)
+    timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
+    if not timed.empty and timed["length"].nunique() > 1:
+        models = ", ".join(sorted(timed["model"].dropna().unique()))
+        tables["speed"] = (
+            f"Decoding time per token, time to first token and KV cache size, {models}",
+            speed_table(timed),
+            2,
+        )
+    return tables
+
+
+def write_tables(df: pd.DataFrame, out: Path) -> list[Path]:
+    """Tables per experiment (file names prefixed by the experiment when there are several)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    several = df["experiment"].nunique() > 1
+    for experiment, part in df.groupby("experiment"):
+        written += _write(part, out, f"{experiment}_" if several else "")
+    return written
+
+
+def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    written = []
+    for name, (caption, table, digits) in make_tables(df).items():
+        name = prefix + name
+        markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best=name != 'speed')}\n"
+        latex = to_latex(table, caption, digits, bold_best=name != "speed") + "\n"
+        for suffix, text in ((".md", markdown), (".tex", latex)):
+            path = out / f"{name}{suffix}"
+            path.write_text(text, encoding="utf-8")
+            written.append(path)
+        print(markdown)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("paths", nargs="+", type=Path, help="experiment/job folders or records.jsonl files")
+    parser.add_argument("--out", type=Path, help="output folder (default: <first path>/tables)")
+    args = parser.parse_args(argv)
+    missing = [p for p in args.paths if not p.exists()]
+    if missing:
+        print(f"error: no such results: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    df = load(args.paths)
+    if df.empty:
+        print(f"error: no records under {', '.join(map(str, args.paths))}", file=sys.stderr)
+        return 2
+    out = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent) / "tables"
+    written = write_tables(df, out)
+    print(f"[tables] {len(written)} files under {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

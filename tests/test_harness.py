@@ -1,0 +1,314 @@
+"""The harness: config validation, resumption, failure isolation, multirun, W&B offline, tables, figures.
+
+Everything runs on `tiny-llama` with the self-contained `toy` benchmark (a few hundred tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eval.config import CONFIG_DIR, ConfigError, build_run_config
+from eval.records import JobStore, read_records, record_key
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = [sys.executable, str(ROOT / "scripts" / "run.py")]
+FIXTURES = ROOT / "tests" / "fixtures" / "records"
+TINY = ["model=tiny-llama", "benchmark=toy", "logger=none", "warmup=false"]
+
+
+def composed(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def run_cfg(tmp_path: Path, overrides: list[str], job: str = "job"):
+    cfg = composed([*TINY, f"results_dir={tmp_path}", *overrides])
+    return build_run_config(cfg, job), cfg
+
+
+def subprocess_env() -> dict[str, str]:
+    return {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+# ------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("method.budget=1.5", "budget must be a fraction in (0, 1]"),
+        ("method.budget=0", "budget must be a fraction in (0, 1]"),
+        ("method.params.r_init=2.0", "r_init"),
+        ("method.params.chunk_size=3", "chunk_size"),
+        ("+method.params.bogus=1", "unknown parameter"),
+        ("methods=[full,nope]", "unknown method 'nope'"),
+        ("benchmark.n_samples=0", "benchmark.n_samples"),
+        ("benchmark.lengths=[-5]", "benchmark.lengths"),
+        ("model.name=gpt-5", "unknown model"),
+        ("model.dtype=float8", "model.dtype"),
+        ("logger.name=slack", "logger.name"),
+        ("benchmark.context_only=maybe", "benchmark.context_only"),
+    ],
+)
+def test_each_bad_value_gives_one_line(tmp_path, override, fragment):
+    with pytest.raises(ConfigError) as error:
+        run_cfg(tmp_path, [override])
+    assert len(error.value.lines) == 1, error.value.lines
+    assert fragment in error.value.lines[0]
+
+
+def test_ruler_task_names_are_checked(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        build_run_config(
+            composed(["benchmark=ruler", "benchmark.tasks=[niah_single_1,niah_single_9]"]), "job"
+        )
+    assert error.value.lines == [error.value.lines[0]] and "niah_single_9" in error.value.lines[0]
+
+
+def test_two_bad_values_give_two_lines(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        run_cfg(tmp_path, ["method.budget=2", "benchmark.n_samples=-1"])
+    assert len(error.value.lines) == 2
+
+
+def test_methods_times_budgets_share_one_job(tmp_path):
+    cfg, _ = run_cfg(tmp_path, ["methods=[full,centroidkv,snapkv]", "budgets=[0.25,0.5]"])
+    labels = [spec.label for spec in cfg.methods]
+    assert labels == ["full@1", "centroidkv@0.25", "centroidkv@0.5", "snapkv@0.25", "snapkv@0.5"]
+    assert cfg.job_dir == tmp_path.resolve() / "default" / "job"
+
+
+def test_cli_bad_value_exits_nonzero_and_writes_nothing(tmp_path):
+    results = tmp_path / "results"
+    out = subprocess.run(
+        [*RUN, *TINY, f"results_dir={results}", "method.budget=1.5"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert errors == ["config error: budgets: budget must be a fraction in (0, 1], got 1.5"]
+    assert not results.exists()
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_job_records_and_skip_when_finished(tmp_path):
+    from eval.runner import config_yaml_of, run_job
+
+    cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.5]", "benchmark.n_samples=2"])
+    summary = run_job(cfg, config_yaml_of(cfg, raw))
+    records, dirty = read_records(cfg.job_dir / "records.jsonl")
+    assert not dirty and len(records) == 4 and summary["n_records"] == 4
+    for record in records:
+        assert record["status"] == "ok"
+        for field in ("task", "sample_id", "method", "params", "budget", "prediction", "references", "score", "ttft",
+                      "tpot", "kv_bytes", "peak_mem", "context_length"):  # fmt: skip
+            assert record.get(field) is not None, field
+    by_method = {r["method"]: r for r in records if r["sample_id"] == records[0]["sample_id"]}
+    assert by_method["centroidkv"]["kv_bytes"] < by_method["full"]["kv_bytes"]
+    assert by_method["centroidkv"]["prefill_s"] == by_method["full"]["prefill_s"]  # one shared prefill
+    env = json.loads((cfg.job_dir / "env.json").read_text())
+    assert env["device"] == "cpu" and env["versions"]["torch"]
+    assert "validated" in (cfg.job_dir / "config.yaml").read_text()
+    assert run_job(cfg, config_yaml_of(cfg, raw)) is None  # finished: skipped
+    assert len(read_records(cfg.job_dir / "records.jsonl")[0]) == 4
+
+
+def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
+    import eval.runner as runner
+
+    real = runner.encode_prompt
+
+    def flaky(sample, tokenizer, context_only):
+        if sample["index"] == 1:
+            raise RuntimeError("bad data in sample 1")
+        return real(sample, tokenizer, context_only)
+
+    monkeypatch.setattr(runner, "encode_prompt", flaky)
+    # centroidkv at 0.1 cannot hold its 80 protected tokens in a ~300-token prompt: fails at compression.
+    cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.1,0.5]", "benchmark.n_samples=3"])
+    summary = runner.run_job(cfg, runner.config_yaml_of(cfg, raw))
+    records, _ = read_records(cfg.job_dir / "records.jsonl")
+    assert len(records) == 9 and summary["n_failed"] == 3 + 2
+    failed = [r for r in records if r["status"] == "failed"]
+    assert {r["sample_id"] for r in failed if "bad data" in r["error"]} == {"toy-256-1"}
+    budget_failures = [r for r in failed if r["sample_id"] != "toy-256-1"]
+    assert {r["budget"] for r in budget_failures} == {0.1} and all(
+        "protected" in r["error"] for r in budget_failures
+    )
+    ok = [r for r in records if r["status"] == "ok"]
+    assert len(ok) == 4 and {r["sample_id"] for r in ok} == {"toy-256-0", "toy-256-2"}
+    assert JobStore(cfg.job_dir).finished
+
+
+def test_torn_and_duplicate_lines_are_cleaned(tmp_path):
+    store = JobStore(tmp_path / "job")
+    store.dir.mkdir(parents=True)
+    a = {
+        "benchmark": "toy",
+        "task": "t",
+        "sample_id": "0",
+        "method": "full",
+        "params": {},
+        "budget": 1.0,
+        "score": 1,
+    }
+    b = {**a, "sample_id": "1"}
+    store.append(a)
+    store.append(b)
+    store.append({**a, "score": 2})  # a rerun of the same key: the last one wins
+    with store.records_path.open("a") as handle:
+        handle.write('{"benchmark": "toy", "task": "t", "sample_')  # killed mid-write
+    records = store.load()
+    assert sorted((r["sample_id"], r["score"]) for r in records) == [("0", 2), ("1", 1)]
+    assert (
+        store.records_path.read_text().endswith("}\n")
+        and len(store.records_path.read_text().splitlines()) == 2
+    )
+
+
+def test_killed_job_resumes_without_duplicates_or_losses(tmp_path):
+    results = tmp_path / "results"
+    args = [*RUN, *TINY, f"results_dir={results}", "methods=[full,streaming_llm]", "budgets=[0.5]",
+            "benchmark.n_samples=8", "experiment_name=resume"]  # fmt: skip
+    proc = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, records_path = time.time() + 240, None
+    while time.time() < deadline:
+        found = list(results.glob("resume/*/records.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 5:
+            records_path = found[0]
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert records_path is not None, "no records appeared"
+    before, _ = read_records(records_path)
+    assert 5 <= len(before) < 16, "the job must be killed mid-way"
+    assert not (records_path.parent / "done.json").exists()
+    out = subprocess.run(args, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = records_path.read_text().splitlines()
+    keys = [record_key(json.loads(line)) for line in lines]
+    assert len(keys) == len(set(keys)) == 16  # 8 samples x 2 methods, each exactly once
+    after = {record_key(r): r for r in map(json.loads, lines)}
+    for record in before:  # nothing written before the kill was lost or redone
+        assert after[record_key(record)] == record
+
+
+def test_multirun_two_budgets_gives_two_jobs(tmp_path):
+    results = tmp_path / "results"
+    out = subprocess.run(
+        [
+            *RUN,
+            "-m",
+            *TINY,
+            f"results_dir={results}",
+            "experiment_name=sweep",
+            "method=centroidkv",
+            "method.budget=0.5,0.75",
+            "benchmark.n_samples=1",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    jobs = sorted(p.name for p in (results / "sweep").iterdir())
+    assert jobs == [
+        "benchmark.n_samples=1,benchmark=toy,method.budget=0.5,method=centroidkv,model=tiny-llama",
+        "benchmark.n_samples=1,benchmark=toy,method.budget=0.75,method=centroidkv,model=tiny-llama",
+    ]
+    for job, budget in zip(jobs, (0.5, 0.75), strict=True):
+        records, _ = read_records(results / "sweep" / job / "records.jsonl")
+        assert [(r["method"], r["budget"], r["status"]) for r in records] == [("centroidkv", budget, "ok")]
+        assert (results / "sweep" / job / "done.json").exists()
+
+
+def test_wandb_offline_run_has_the_job_metrics(tmp_path, monkeypatch):
+    from eval.runner import config_yaml_of, run_job
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = build_run_config(
+        composed(
+            [
+                "model=tiny-llama",
+                "benchmark=toy",
+                "logger=wandb",
+                "warmup=false",
+                f"results_dir={tmp_path}",
+                "benchmark.n_samples=1",
+                "method.budget=0.5",
+            ]
+        ),  # fmt: skip
+        "wandb_job",
+    )
+    summary = run_job(cfg, config_yaml_of(cfg, None))
+    runs = list((cfg.job_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb"))
+    # wandb 0.31 keeps an offline run's history and summary in its binary run file (synced later by
+    # `wandb sync`); the per-sample table is a JSON file next to it.
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in summary:
+        assert key.encode() in data, key
+    assert b"toy/centroidkv@0.5/score" in data  # per-record history
+    table = json.loads(next((runs[0] / "files" / "media" / "table").glob("samples_*.table.json")).read_text())
+    records, _ = read_records(cfg.job_dir / "records.jsonl")
+    assert [row[1] for row in table["data"]] == [r["sample_id"] for r in records]
+    assert [row[5] for row in table["data"]] == [r["score"] for r in records]
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def test_tables_from_fixture(tmp_path):
+    from scripts.tables import main
+
+    assert main([str(FIXTURES / "fixture_ruler"), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "ruler_budget0.25.md").read_text()
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md.splitlines()[3:]
+    }
+    # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, n, failed.
+    assert rows["Full cache"] == ["100.0", "100.0", "100.0", "4", "0"]
+    assert rows["CentroidKV"] == ["**50.0**", "50.0", "**50.0**", "4", "0"]
+    assert rows["SnapKV"] == ["0.0", "**75.0**", "37.5", "4", "0"]
+    md50 = (tmp_path / "ruler_budget0.5.md").read_text()
+    assert "| SnapKV | 50.0 | 0.0 | 25.0 | 4 | 1 |" in md50  # the failed sample is counted, not averaged
+    tex = (tmp_path / "ruler_budget0.5.tex").read_text()
+    assert r"\begin{tabular}" in tex and r"CentroidKV & \textbf{100.0} & \textbf{50.0} & \textbf{75.0}" in tex
+
+
+def test_speed_table_from_fixture(tmp_path):
+    from scripts.tables import main
+
+    assert main([str(FIXTURES / "fixture_speed"), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "speed.md").read_text()
+    assert "| Full cache | 30.00 | 36.00 | 50.00 |" in md
+    assert "| CentroidKV @ 0.25 | 28.00 | 29.00 | 30.00 |" in md
+
+
+def test_figures_from_fixture(tmp_path):
+    from scripts.figures import main
+
+    assert main([str(FIXTURES), "--out", str(tmp_path)]) == 0
+    expected = [
+        "fixture_ruler_ruler_accuracy_vs_budget",
+        "fixture_ruler_ruler_accuracy_by_family",
+        "fixture_speed_niah_heatmap",
+        "fixture_speed_speed_vs_context",
+        "fixture_sweep_r_score_vs_r",
+    ]
+    for name in expected:
+        for suffix in (".png", ".pdf"):
+            path = tmp_path / f"{name}{suffix}"
+            assert path.exists() and path.stat().st_size > 5000, path
