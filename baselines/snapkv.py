@@ -20,11 +20,12 @@ Here:
 - During decoding the cache re-compresses every g tokens with the latest `window_size` queries
   (the paper compresses the prompt only).
 
-Parameters:
-  window_size: observation window (paper's experiments and the original code's LongBench setting:
-    32; kvpress defaults to 64).
-  kernel_size: pooling kernel, odd (original code: 5).
-  pooling: "avgpool" (original code default) or "maxpool".
+Parameters (SnapKV's code, snapkv_utils.py, defaults to kernel 5 + avgpool; the KVCache-Factory
+scripts of the PyramidKV authors run window 32, kernel 7, maxpool; kvpress's
+SnapKVPress defaults to window 64, kernel 5, avgpool):
+  window_size: observation window (default 32, as the KVCache-Factory runs).
+  kernel_size: pooling kernel, odd (default 5, as snapkv_utils.py and kvpress).
+  pooling: "avgpool" (default, snapkv_utils.py and kvpress) or "maxpool".
   n_sink: protected first tokens (SnapKV has none: 0).
   n_recent: protected recent window, >= window_size (default: 32 = the window).
   compress_interval: g (harness default 64).
