@@ -266,6 +266,15 @@ def test_kmeans_recovers_duplicates_exactly_and_handles_empty_clusters():
             torch.testing.assert_close(many.log_degree.exp().sum(-1), torch.full((1, 2), 12.0))
 
 
+def test_kmeans_with_one_cluster_per_token_is_the_identity():
+    kv, stats = _segment(length=50)
+    for cosine in (True, False):
+        out = get_method("kmeans", cosine=cosine, iterations=3).compress(kv, 50, stats)
+        torch.testing.assert_close(out.keys, kv.keys)
+        torch.testing.assert_close(out.values, kv.values)
+        assert torch.equal(out.log_degree, torch.zeros_like(out.log_degree))
+
+
 def test_cam_merges_evicted_values_into_kept_neighbours():
     """Evicted values go to the m kept tokens that follow (the last m when none follow), divided by
     m, when their attention is prominent (p = 1) and not at all when it is zero (p = 0); keys and
