@@ -311,3 +311,74 @@ def test_niah_grid_places_the_needle_at_each_depth(tok):
     assert generate_niah([2048], [50], tok, seed=3, progress=False) == generate_niah(
         [2048], [50], tok, seed=3, progress=False
     )
+
+
+# -------------------------------------------------------------------------------------- qa (fake hub)
+
+
+def _fake_squad() -> list[dict]:
+    rng = random.Random(7)
+    rows = []
+    for article in range(30):
+        for p in range(3):
+            context = f"Article {article} paragraph {p}. " + " ".join(
+                rng.choice(["river", "stone", "market", "winter", "engine", "garden"]) for _ in range(40)
+            )
+            answers = [] if p == 2 else [f"answer-{article}-{p}"]
+            rows.append(
+                {
+                    "title": f"T{article}",
+                    "context": context,
+                    "question": f"Q{article}.{p}?",
+                    "answers": {"text": answers},
+                }
+            )
+    return rows
+
+
+def _fake_hotpot() -> list[dict]:
+    rows = []
+    for q in range(40):
+        titles = [f"Doc{q}-{i}" for i in range(10)]
+        sentences = [[f"Sentence about {t}. ", "More words here."] for t in titles]
+        rows.append(
+            {
+                "question": f"Question {q}?",
+                "answer": f"ans{q}",
+                "context": {"title": titles, "sentences": sentences},
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize("task", ["qa_1", "qa_2"])
+def test_qa_from_a_fake_hub(task, tok, monkeypatch):
+    import datasets
+
+    from eval.ruler import qa
+
+    fake = {"rajpurkar/squad_v2": _fake_squad(), "hotpotqa/hotpot_qa": _fake_hotpot()}
+    qa.load_qa.cache_clear()
+    monkeypatch.setattr(datasets, "load_dataset", lambda repo, config=None, split=None: fake[repo])
+    try:
+        samples = generate_samples(task, 2048, tok, 3, seed=0)
+        assert json.dumps(samples) == json.dumps(generate_samples(task, 2048, tok, 3, seed=0))
+    finally:
+        qa.load_qa.cache_clear()
+    items, docs = qa.load_qa.__wrapped__("squad" if task == "qa_1" else "hotpotqa")
+    for s in samples:
+        item = items[s["index"]]
+        assert s["answers"] == item.answers and s["question"].endswith(f"Question: {item.query}")
+        for gold in item.gold:
+            assert f":\n{docs[gold]}" in s["context"]  # every gold document is present verbatim
+        numbers = [int(n) for n in re.findall(r"^Document (\d+):$", s["context"], flags=re.M)]
+        assert numbers == list(range(1, len(numbers) + 1))
+        assert 0.95 * 2048 <= s["ruler_length"] <= 2048 and s["max_new_tokens"] == 32
+        assert s["answer_prefix"] == " Answer:"
+    assert ruler_score_of(samples[0]) == 100.0
+
+
+def ruler_score_of(sample: dict) -> float:
+    from eval.metrics import ruler_score
+
+    return ruler_score(sample["task"], f"It is {sample['answers'][-1]}.", sample["answers"])

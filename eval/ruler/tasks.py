@@ -90,7 +90,11 @@ def _insert_at_depths(units: list[str], needles: list[str], depths: list[int]) -
 
 def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
     """NVIDIA/RULER `niah.py`: needles "One of the special magic ... for {key} is: {value}." at depths
-    drawn from a 40-point grid; haystack of noise sentences, essay words or distractor needles."""
+    drawn from a 40-point grid; haystack of noise sentences, essay words or distractor needles.
+
+    The reference uses the depth grid for the essay haystack only and uniform line positions for the
+    other two; the grid is used for all three here, so that every needle has a stated depth.
+    """
     rng = random.Random(seed)
     kind_k, kind_v = cfg["type_needle_k"], cfg["type_needle_v"]
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
