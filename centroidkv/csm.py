@@ -43,10 +43,12 @@ def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Te
     pairs = normed.view(batch, heads, n_chunks, half, 2, head_dim)
     set_a, set_b = pairs[..., 0, :], pairs[..., 1, :]
     similarity = set_a @ set_b.transpose(-1, -2)  # [B, H, chunks, half (A), half (B)]
-    if padding:  # padding B slots are never chosen; an A slot without a real B partner scores -inf
-        b_position = 2 * torch.arange(half, device=keys.device) + 1 + (n_chunks - 1) * chunk_size
-        similarity[:, :, -1].masked_fill_((b_position >= length)[None, None, None, :], float("-inf"))
+    if padding:  # padding B slots are never chosen (an A slot without a real B partner gets -inf)
+        last_a = 2 * torch.arange(half, device=keys.device) + (n_chunks - 1) * chunk_size
+        similarity[:, :, -1].masked_fill_((last_a + 1 >= length)[None, None, None, :], float("-inf"))
     best_score, best_b = similarity.max(dim=-1)  # [B, H, chunks, half]
+    if padding:  # padding A slots are never merged, even when every real edge is negative
+        best_score[:, :, -1].masked_fill_((last_a >= length)[None, None, :], float("-inf"))
 
     top_a = best_score.flatten(2).topk(n_merge, dim=-1).indices  # A slot ids, [B, H, n_merge]
     chosen_b = best_b.flatten(2).gather(-1, top_a)

@@ -7,9 +7,10 @@ attention then adds log(degree) to the logits (`centroidkv.attention`).
 
 Parameters (defaults: the paper's where it gives them, ours otherwise; see PAPER.md):
   chunk_size: c, tokens per chunk; matching stays inside a chunk (paper: 256; even, >= 2).
-  r_init: merge fraction of A tokens in the first round of a compression (ours, swept: README).
-  delta_r: linear annealing step of r per round (ours).
-  r_min: floor of r, > 0 so the budget is always reached (ours).
+  r_init: merge fraction of A tokens in the first round of a compression (ours: 0.5, swept: README).
+  delta_r: linear annealing step of r per round (ours: 0, i.e. constant; the sweep found aggressive
+    first rounds annealed down, as in the paper's v1, lose needles: README "Choosing the schedule").
+  r_min: floor of r, > 0 so the budget is always reached (ours: 0.1).
   n_sink, n_recent: protected first / last tokens (paper: 16 / 64).
   compress_interval: g, re-compression interval during decoding (ours: 64).
 """
@@ -30,7 +31,7 @@ class CentroidKV(Method):
     merges = True
 
     chunk_size: int = 256
-    r_init: float = 0.3
+    r_init: float = 0.5
     delta_r: float = 0.0
     r_min: float = 0.1
 

@@ -60,6 +60,16 @@ def test_no_cross_chunk_match_even_when_better_outside():
     assert pairs[0] in (1, 3)
 
 
+def test_padding_slots_are_never_merged_even_if_all_edges_are_negative():
+    # Keys alternate v, -v: every real A->B similarity is -1, a padding slot would score 0.
+    direction = torch.randn(8)
+    keys = torch.stack([direction if i % 2 == 0 else -direction for i in range(10)]).view(1, 1, 10, 8)
+    kv = LayerKV(keys, keys.clone(), torch.zeros(1, 1, 10))
+    src, dst = match_within_chunks(kv.keys, 5, chunk_size=8)
+    assert src.max() < 10 and dst.max() < 10
+    assert merge_tokens(kv, src, dst).length == 5
+
+
 def test_weighted_merge_matches_hand_computation():
     # Tokens (degree): t0 (1), t1 (3), t2 (2), t3 (1). Merge t0 and t2 into t1.
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [5.0, 5.0]]).view(1, 1, 4, 2)
