@@ -71,7 +71,16 @@ def generate_from(
     max_new_tokens: int,
     eos_token_ids: set[int] | None = None,
 ) -> Generation:
-    """Compress a fork of `prefilled` with (method, budget) and decode greedily, batch rows in lockstep."""
+    """Compress a fork of `prefilled` with (method, budget) and decode greedily, batch rows in lockstep.
+
+    Decoding stops when every row has produced an end-of-sequence token: `eos_token_ids`, or by
+    default the model's generation config.
+    """
+    if eos_token_ids is None:
+        configured = model.generation_config.eos_token_id
+        eos_token_ids = set(
+            configured if isinstance(configured, list) else [configured] if configured is not None else []
+        )
     device = prefilled.first_token.device
     start = _now(device)
     cache = prefilled.cache.fork(method, budget, max_new_tokens)
@@ -80,7 +89,7 @@ def generate_from(
     generated = [token]
     step_times = []
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=device)
-    eos = torch.tensor(sorted(eos_token_ids or []), device=device, dtype=token.dtype)
+    eos = torch.tensor(sorted(eos_token_ids), device=device, dtype=token.dtype)
     for _ in range(max_new_tokens - 1):
         finished |= torch.isin(token[:, 0], eos)
         if bool(finished.all()):

@@ -83,11 +83,24 @@ def _embedded_dir() -> Path:
     return target
 
 
+def _embedded_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer as the original ships it.
+
+    The GGUF conversion gets two things wrong: it names <|im_start|> as the end-of-sequence token
+    (the model's generation config, rightly, stops on <|im_end|>), and it prepends <|im_start|> to
+    every encoded text. Fixed at load time, so caches converted earlier are fixed too.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(_embedded_dir())
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.add_bos_token = False
+    return tokenizer
+
+
 def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer of a named model (tiny models reuse the embedded tokenizer)."""
     check_model_name(name)
     if name == EMBEDDED_MODEL or name in TINY_MODELS:
-        return AutoTokenizer.from_pretrained(_embedded_dir())
+        return _embedded_tokenizer()
     return _from_hub(AutoTokenizer.from_pretrained, HUB_MODELS[name])
 
 
@@ -137,7 +150,7 @@ def load_model(
             path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
         )
         model = model.to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = _embedded_tokenizer()
     else:
         model = _from_hub(
             AutoModelForCausalLM.from_pretrained,

@@ -17,7 +17,9 @@ from tqdm import tqdm
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from centroidkv.methods import method_names
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     parser.add_argument("--n", type=int, default=3, help="number of prompts (needle depths spread 10-90 %%)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
@@ -47,28 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     samples = generate_samples("niah_single_1", args.length, tokenizer, args.n, seed=args.seed)
     runs = [("full", 1.0)] + [(m, b) for m in args.methods for b in args.budgets]
     methods = {name: get_method(name) for name, _ in runs}
-    eos = {tokenizer.eos_token_id}
     totals = {run: [] for run in runs}
     for sample in tqdm(samples, desc="prompts", unit="prompt"):
         messages = [{"role": "user", "content": sample["input"]}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text + sample["answer_prefix"], add_special_tokens=False, return_tensors="pt").input_ids
+        ids = tokenizer(
+            text + sample["answer_prefix"], add_special_tokens=False, return_tensors="pt"
+        ).input_ids
         max_new = sample["max_new_tokens"]
         prefilled = prefill(
-            model, ids, max_new,
+            model,
+            ids,
+            max_new,
             record_queries=max(m.query_window for m in methods.values()),
             record_attention=any(m.accumulates_attention for m in methods.values()),
         )
-        print(f"\nprompt {sample['index']}: {ids.shape[1]} tokens, prefill {prefilled.seconds:.1f} s, "
-              f"needle answer {sample['answers']}")
+        print(
+            f"\nprompt {sample['index']}: {ids.shape[1]} tokens, prefill {prefilled.seconds:.1f} s, "
+            f"needle answer {sample['answers']}"
+        )
         for name, budget in runs:
-            result = generate_from(model, prefilled, methods[name], budget, max_new, eos)
+            result = generate_from(model, prefilled, methods[name], budget, max_new)
             answer = tokenizer.decode(result.tokens[0], skip_special_tokens=True).strip()
             score = ruler_score(sample["task"], answer, sample["answers"])
             totals[(name, budget)].append((score, result))
-            print(f"  {name:>12} @ {budget:<4g} {'found' if score == 100 else 'MISSED':>6}  "
-                  f"KV {result.kv_bytes / 2**20:6.1f} MiB ({result.seq_lengths[0]} entries/layer)  "
-                  f"TPOT {result.tpot_s * 1e3:5.0f} ms  answer: {answer[:60]!r}")
+            print(
+                f"  {name:>12} @ {budget:<4g} {'found' if score == 100 else 'MISSED':>6}  "
+                f"KV {result.kv_bytes / 2**20:6.1f} MiB ({result.seq_lengths[0]} entries/layer)  "
+                f"TPOT {result.tpot_s * 1e3:5.0f} ms  answer: {answer[:60]!r}"
+            )
     print("\nsummary")
     for (name, budget), rows in totals.items():
         accuracy = sum(s for s, _ in rows) / len(rows)
