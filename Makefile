@@ -67,7 +67,7 @@ speed: $(STAMP)
 	$(PYTHON) scripts/figures.py results/speed
 
 tables: $(STAMP)
-	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || exit 1; done
+	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || true; done
 
 figures: $(STAMP)
 	$(PYTHON) scripts/figures.py results

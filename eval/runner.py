@@ -343,6 +343,10 @@ def warm_up(evaluator: Evaluator) -> None:
 
 
 # --------------------------------------------------------------------------------------------- job
+class SetupError(RuntimeError):
+    """The model or the samples could not be loaded (hub unreachable, data missing): nothing was written."""
+
+
 def summarize(records: list[dict]) -> dict[str, Any]:
     """Mean score / TPOT / KV bytes per method@budget, plus counts."""
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -370,11 +374,16 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     from centroidkv import load_model, load_tokenizer
 
     dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype else None
-    model, tokenizer = load_model(cfg.model.name, dtype=dtype, device=cfg.model.device)
-    if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
-        tokenizer = load_tokenizer("smollm2-135m")
+    try:
+        model, tokenizer = load_model(cfg.model.name, dtype=dtype, device=cfg.model.device)
+        if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
+            tokenizer = load_tokenizer("smollm2-135m")
+        samples = load_samples(cfg.benchmark, tokenizer)
+    except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
+        raise SetupError(
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        ) from error
     device = str(next(model.parameters()).device)
-    samples = load_samples(cfg.benchmark, tokenizer)
     store.prepare(config_yaml, environment(device))
     existing = store.load()
     done = {record_key(r) for r in existing if r["status"] == "ok" or not cfg.retry_failed}

@@ -33,9 +33,13 @@ def main(cfg: DictConfig) -> None:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
-    from eval.runner import config_yaml_of, run_job
+    from eval.runner import SetupError, config_yaml_of, run_job
 
-    summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
+    try:
+        summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
+    except SetupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     if summary is not None:
         print(f"[done] {run_cfg.job_dir} ({summary['n_records']} records, {summary['n_failed']} failed)")
 

@@ -150,6 +150,20 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
     assert JobStore(cfg.job_dir).finished
 
 
+def test_context_only_protocol(tmp_path):
+    from eval.runner import config_yaml_of, run_job
+
+    cfg, raw = run_cfg(
+        tmp_path, ["method.budget=0.5", "benchmark.n_samples=1", "benchmark.context_only=true"]
+    )
+    run_job(cfg, config_yaml_of(cfg, raw))
+    (record,) = read_records(cfg.job_dir / "records.jsonl")[0]
+    assert record["status"] == "ok" and record["protocol"] == "context_only"
+    # The question is fed after compression: TTFT includes it, and it is not in the compressed cache.
+    assert record["ttft"] > record["prefill_s"] + record["compress_s"]
+    assert record["kv_len"] > 0
+
+
 def test_torn_and_duplicate_lines_are_cleaned(tmp_path):
     store = JobStore(tmp_path / "job")
     store.dir.mkdir(parents=True)
