@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -219,9 +220,17 @@ class Evaluator:
 
     @torch.inference_mode()
     def decode(
-        self, recorder, last_logits, prefill_s, spec: MethodSpec, tail: list[int], max_new_tokens: int
-    ):
+        self,
+        recorder,
+        last_logits,
+        prefill_s: float,
+        spec: MethodSpec,
+        tail: list[int],
+        max_new_tokens: int,
+        eos: set[int] | None = None,
+    ) -> dict:
         """Fork, compress, (feed the question,) decode greedily; returns the measurements."""
+        eos = self.eos if eos is None else eos
         reset_peak_memory(self.device)
         with self.timer.span() as span:
             cache = recorder.fork(self.methods[spec], spec.budget, max_new_tokens)
@@ -237,13 +246,13 @@ class Evaluator:
         token = last_logits.argmax(-1, keepdim=True)
         generated = [int(token)]
         step_s: list[float] = []
-        while len(generated) < max_new_tokens and generated[-1] not in self.eos:
+        while len(generated) < max_new_tokens and generated[-1] not in eos:
             with self.timer.span() as span:
                 logits = self.model(token, past_key_values=cache, logits_to_keep=1).logits
                 token = logits[:, -1].argmax(-1, keepdim=True)
             step_s.append(span.seconds)
             generated.append(int(token))
-        if generated[-1] in self.eos:
+        if generated[-1] in eos:
             generated.pop()
         peak, peak_kind = peak_memory(self.device)
         return dict(
@@ -265,6 +274,12 @@ class Evaluator:
         self, sample: Sample, specs: list[MethodSpec], cap: int | None, ignore_eos: bool = False
     ) -> list[dict]:
         """Records for the pending (method, budget) runs of one sample; failures become failed records."""
+        return list(self.iter_sample(sample, specs, cap, ignore_eos))
+
+    def iter_sample(
+        self, sample: Sample, specs: list[MethodSpec], cap: int | None, ignore_eos: bool = False
+    ) -> Iterator[dict]:
+        """`run_sample` one record at a time, each as soon as its decode is done (so it can be saved)."""
         base = self.base_record(sample)
         max_new = int(sample.get("max_new_tokens") or 32)
         if cap:
@@ -275,27 +290,24 @@ class Evaluator:
             recorder, last_logits, prefill_s = self.prefill(head, max_new, specs)
         except Exception as error:  # the sample is recorded as failed for every method, the job goes on
             _free_memory(self.device)
-            return [self.failed(base, spec, error) for spec in specs]
-        records = []
-        eos, self.eos = self.eos, (set() if ignore_eos else self.eos)
-        try:
             for spec in specs:
-                try:
-                    result = self.decode(recorder, last_logits, prefill_s, spec, tail, max_new)
-                except Exception as error:
-                    _free_memory(self.device)
-                    records.append(self.failed(base, spec, error))
-                    continue
-                generated = result.pop("generated")
-                prediction = self.tokenizer.decode(generated, skip_special_tokens=True)
-                record = {**base, **self.spec_fields(spec), "status": "ok", "prediction": prediction}
-                record["score"] = score_sample(self.bench_name, sample, prediction)
-                record["n_generated"] = len(generated)
-                record.update(result)
-                records.append(record)
-        finally:
-            self.eos = eos
-        return records
+                yield self.failed(base, spec, error)
+            return
+        eos = set() if ignore_eos else self.eos
+        for spec in specs:
+            try:
+                result = self.decode(recorder, last_logits, prefill_s, spec, tail, max_new, eos)
+            except Exception as error:
+                _free_memory(self.device)
+                yield self.failed(base, spec, error)
+                continue
+            generated = result.pop("generated")
+            prediction = self.tokenizer.decode(generated, skip_special_tokens=True)
+            record = {**base, **self.spec_fields(spec), "status": "ok", "prediction": prediction}
+            record["score"] = score_sample(self.bench_name, sample, prediction)
+            record["n_generated"] = len(generated)
+            record.update(result)
+            yield record
 
     def base_record(self, sample: Sample) -> dict:
         return {
@@ -402,7 +414,7 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
         pending = [s for s in cfg.methods if record_key({**probe, **evaluator.spec_fields(s)}) not in done]
         if not pending:
             continue
-        for record in evaluator.run_sample(
+        for record in evaluator.iter_sample(
             sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
         ):
             record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job)
