@@ -102,8 +102,11 @@ def full_keys(model, context: torch.Tensor, ours: bool) -> list[torch.Tensor]:
 def positions(kept: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """Sorted positions ([B, H, K]) of the kept keys among the uncompressed ones of the same model."""
     distance = torch.cdist(kept.double(), full.double())
-    best, index = distance.min(dim=-1)
-    assert float(best.max()) <= 1e-6, "a kept key is not one of the original keys"
+    nearest, index = distance.topk(2, dim=-1, largest=False)
+    best, runner_up, index = nearest[..., 0], nearest[..., 1], index[..., 0]
+    # float32 rounding only (separate forward calls may pick different kernels), and unambiguous
+    assert float(best.max()) <= 1e-4, f"a kept key is not one of the original keys ({float(best.max()):.2e})"
+    assert bool((runner_up > 100 * best.clamp(min=1e-6)).all()), "ambiguous key match"
     return index.sort(dim=-1).values
 
 
