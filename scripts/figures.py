@@ -66,7 +66,7 @@ def _subtitle(df: pd.DataFrame) -> str:
     )
     n = df[df["ok"]].groupby(["task", "method", "params_json", "budget"]).size()
     per_task = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}-{int(n.max())}"
-    return f"{models}, context {lengths} tokens, {per_task} samples per task"
+    return f"{models}, context {lengths} tokens, {per_task} sample{'s' if per_task != '1' else ''} per task"
 
 
 def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title: str) -> bool:
@@ -82,20 +82,29 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
     )
     avg = avg[avg["n"] == n_tasks]
     budgets = sorted(avg.loc[avg["method"] != "full", "budget"].unique())
-    for method in sorted(
-        avg["method"].unique(), key=lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else 99
-    ):
+    methods = sorted(avg["method"].unique(), key=lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else 99)
+    n_lines = avg.loc[avg["method"] != "full", "label"].nunique()
+    spread = 0.08 * (max(budgets) - min(budgets) if len(budgets) > 1 else 0.25)
+    line = 0
+    for method in methods:
         rows = avg[avg["method"] == method].sort_values("budget")
         name = METHOD_NAMES.get(method, method)
         if method == "full":
             ax.axhline(
-                rows["score"].mean(), color="black", linestyle="--", linewidth=1.2, label=f"{name} (100 %)"
+                rows["score"].mean(),
+                color="black",
+                linestyle="--",
+                linewidth=1.2,
+                label=f"{name} (100 %)",
+                zorder=5,
             )
             continue
         for label, group in rows.groupby("label"):
-            ax.plot(
-                group["budget"], group["score"], label=label, linewidth=1.6, markersize=6, **_style(method)
-            )
+            # Dodge: equal scores would hide each other, so each method is shifted a little sideways.
+            offset = (line - (n_lines - 1) / 2) * spread / max(1, n_lines - 1)
+            x = group["budget"] + offset
+            ax.plot(x, group["score"], label=label, linewidth=1.6, markersize=6, **_style(method))
+            line += 1
     ax.set_title(title, fontsize=11)
     ax.set_xticks(budgets)
     ax.set_xticklabels([f"{b:.0%}" for b in budgets])
@@ -119,7 +128,7 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     ax.text(
         0.5,
         -0.2,
-        f"tasks: {tasks}",
+        f"tasks: {tasks}; methods are offset slightly along x so that equal scores stay visible",
         transform=ax.transAxes,
         ha="center",
         va="top",

@@ -198,9 +198,18 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
         models = ", ".join(sorted(part["model"].dropna().unique()))
         lengths = ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
         budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
+        averages = {}
         for budget in budgets or [1.0]:
             caption = f"{title} scores (0-100) at budget {budget:g}, {models}, context {lengths} tokens"
-            tables[f"{bench}_budget{budget:g}"] = (caption, score_table(part, budget, names), 1)
+            table = score_table(part, budget, names)
+            tables[f"{bench}_budget{budget:g}"] = (caption, table, 1)
+            averages[f"{budget:.0%}"] = table["Avg"]
+        if len(averages) > 1:
+            summary = pd.DataFrame(averages)
+            summary.index.name = "Method"
+            n_tasks = part["task"].nunique()
+            caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
+            tables[f"{bench}_summary"] = (caption, summary, 1)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
