@@ -6,6 +6,7 @@ so `scripts/run.py` can print them and exit without loading a model or writing a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -130,7 +131,9 @@ class RunConfig:
 def job_name_from_overrides(override_dirname: str) -> str:
     """A directory name for a job: its Hydra overrides (`a=1,b=x`), or `default` when there are none."""
     name = re.sub(r"[^A-Za-z0-9=,._@+-]", "_", override_dirname.strip())
-    return name[:200] or "default"
+    if len(name) > 150:  # keep folder names short and still unique: a prefix plus a hash of the whole
+        name = f"{name[:130]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    return name or "default"
 
 
 def _method_file_params(name: str) -> dict[str, Any]:

@@ -107,13 +107,28 @@ def _load_samples(bench, tokenizer) -> list[Sample]:
                 n=bench.n_samples,
                 e=is_e,
             ):
-                out.append({**sample, "task": dataset, "length": sample.get("length", max_length)})
+                # `length` is the truncation length (the table's context); LongBench's own length field
+                # (words, for the LongBench-E buckets) is kept as source_length.
+                out.append(
+                    {**sample, "task": dataset, "length": max_length, "source_length": sample.get("length")}
+                )
         return out
     if bench.name == "niah":
         from eval import niah
 
-        samples = niah.generate_niah(list(bench.lengths), list(bench.depths), tokenizer, seed=bench.seed)
-        return [{**s, "task": s.get("task", "niah")} for s in samples]
+        samples = niah.generate_niah(
+            list(bench.lengths),
+            list(bench.depths),
+            tokenizer,
+            seed=bench.seed,
+            n=bench.n_samples,
+            progress=False,
+        )
+        # `length` is the target context length (the heatmap's column), not the prompt's token count.
+        return [
+            {**s, "task": s.get("task", "niah"), "length": s.get("target_length", s["length"])}
+            for s in samples
+        ]
     raise ValueError(f"unknown benchmark {bench.name!r}")
 
 
@@ -140,7 +155,13 @@ def score_sample(bench_name: str, sample: Sample, prediction: str) -> float:
         except ImportError:  # eval.metrics not available: RULER's rule, as BENCHMARKS.md states it
             return string_match(prediction, sample["answers"], part=sample["task"].startswith("qa"))
         return float(ruler_score(sample["task"], prediction, sample["answers"]))
-    return string_match(prediction, sample["answers"])  # toy and niah
+    if bench_name == "niah":
+        try:
+            from eval.niah import niah_score
+        except ImportError:
+            return string_match(prediction, sample["answers"])
+        return float(niah_score(prediction, sample["answers"]))
+    return string_match(prediction, sample["answers"])  # toy
 
 
 def string_match(prediction: str, answers: list[str], part: bool = False) -> float:
@@ -318,6 +339,7 @@ class Evaluator:
             "sample_id": sample_id(sample),
             "references": sample.get("answers"),
             "protocol": "context_only" if self.context_only else "full_prompt",
+            **({"source_length": sample["source_length"]} if "source_length" in sample else {}),
         }
 
     @staticmethod

@@ -197,7 +197,8 @@ def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             ax.set_ylabel("Needle depth (% of context)", fontsize=8)
         for (i, j), value in np.ndenumerate(grid.values):
             if not np.isnan(value):
-                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
+                color = "white" if value < 25 or value > 80 else "black"  # readable on dark cells
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8, color=color)
     for ax in axes.flat[len(order) :]:
         ax.axis("off")
     fig.suptitle(
@@ -223,6 +224,7 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     agg = timed.groupby(["method", "method_rank", "who", "length"], as_index=False)[
         ["tpot_ms", "kv_mib"]
     ].mean()
+    agg = agg.sort_values(["method_rank", "who", "length"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for (method, _, who), group in agg.groupby(["method", "method_rank", "who"], sort=False):
         group = group.sort_values("length")
