@@ -72,6 +72,15 @@ def test_ruler_task_names_are_checked(tmp_path):
     assert error.value.lines == [error.value.lines[0]] and "niah_single_9" in error.value.lines[0]
 
 
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml")))
+def test_every_experiment_validates(experiment):
+    cfg = build_run_config(composed([f"experiment={experiment}"]), "job")
+    assert cfg.experiment == experiment and cfg.methods
+    if experiment.startswith("reproduce"):
+        assert {m.name for m in cfg.methods} == {"full", "centroidkv", "streaming_llm", "h2o", "snapkv", "pyramidkv",
+                                                 "kmeans", "cam"}  # fmt: skip
+
+
 def test_two_bad_values_give_two_lines(tmp_path):
     with pytest.raises(ConfigError) as error:
         run_cfg(tmp_path, ["method.budget=2", "benchmark.n_samples=-1"])
