@@ -8,6 +8,7 @@ run directory is `<job_dir>/wandb/`; `wandb sync` uploads an offline run later.
 
 from __future__ import annotations
 
+import hashlib
 import netrc
 import os
 from pathlib import Path
@@ -74,6 +75,9 @@ class WandbLogger:
             dir=str(directory),
             config=config,
             mode=resolve_mode(cfg.logger.mode),
+            # One W&B run per job: a resumed job continues its run (online) instead of starting another.
+            id=hashlib.sha1(str(directory.resolve()).encode()).hexdigest()[:16],
+            resume="allow",
             reinit="finish_previous",
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
         )
