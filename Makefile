@@ -31,6 +31,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) scripts/bench_decode.py
+	$(PYTHON) scripts/bench_kmeans.py
 
 clean-venv:
 	rm -rf $(VENV)

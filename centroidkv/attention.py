@@ -27,14 +27,16 @@ def degree_attention(
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
-    scaling: float | None = None,
     dropout: float = 0.0,
+    scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """query [B, Hq, q, D], key/value [B, Hkv, T, D] -> output [B, q, Hq, D].
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
+    The argument order is transformers' own (`dropout` before `scaling`): wrappers such as kvpress's
+    pass them positionally.
     """
     if attention_mask is not None:
         raise NotImplementedError(

@@ -192,19 +192,30 @@ class CompressedLayer(DynamicLayer):
         return twin
 
 
-def attention_received(query: Tensor, keys: Tensor, log_degree: Tensor | None, scaling: float) -> Tensor:
+def attention_received(
+    query: Tensor, keys: Tensor, log_degree: Tensor | None, scaling: float, block: int = 256
+) -> Tensor:
     """Attention each cached token receives from `query` ([B, Hq, q, D]), summed over queries and the
-    query heads of its KV head: [B, H_kv, T]. Causal: the q queries are the last q cached tokens."""
+    query heads of its KV head: [B, H_kv, T]. Causal: the q queries are the last q cached tokens.
+
+    Queries are processed in blocks of `block`, so a long prefill never materialises q x T logits.
+    """
     batch, kv_heads, length, head_dim = keys.shape
     q_len = query.shape[2]
-    grouped = query.reshape(batch, kv_heads, -1, head_dim).float()  # [B, H_kv, group*q, D]
-    logits = grouped @ keys.float().transpose(-1, -2) * scaling
-    if log_degree is not None:
-        logits = logits + log_degree.unsqueeze(2)
-    if q_len > 1:
-        allowed = causal_allowed(q_len, length, keys.device)
-        logits = logits.masked_fill(~allowed.repeat(grouped.shape[2] // q_len, 1), float("-inf"))
-    return logits.softmax(dim=-1).sum(dim=2)
+    group = query.shape[1] // kv_heads
+    keys_t = keys.float().transpose(-1, -2)
+    allowed = causal_allowed(q_len, length, keys.device)
+    received = keys.new_zeros(batch, kv_heads, length, dtype=torch.float32)
+    for start in range(0, q_len, block):
+        part = query[:, :, start : start + block].float()  # [B, Hq, b, D]
+        rows = part.shape[2]
+        logits = part.reshape(batch, kv_heads, group * rows, head_dim) @ keys_t * scaling
+        if log_degree is not None:
+            logits = logits + log_degree.unsqueeze(2)
+        if q_len > 1:
+            logits = logits.masked_fill(~allowed[start : start + rows].repeat(group, 1), float("-inf"))
+        received += logits.softmax(dim=-1).sum(dim=2)
+    return received
 
 
 def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> Tensor:

@@ -37,10 +37,9 @@ from centroidkv.attention import degree_attention
 kvpress = pytest.importorskip("kvpress")
 
 # Importing kvpress wraps every registered attention function (kvpress.attention_patch) in a wrapper
-# that passes `dropout` as the 6th positional argument; `degree_attention` takes `scaling` there, so
-# the wrapped function fails with "got multiple values for argument 'scaling'". Undo the wrap for ours
-# (kvpress only needs it for head-wise presses, which never run on our attention).
-ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = degree_attention
+# that passes `dropout` positionally; our attention keeps transformers' argument order, so it still
+# works wrapped: the comparisons below run through kvpress's wrapper.
+assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] is not degree_attention
 
 RATIO = 0.75  # kvpress compression ratio; our budget is 1 - RATIO = 0.25
 QUESTION_LEN, ANSWER_LEN = 12, 12
