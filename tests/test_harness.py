@@ -81,6 +81,17 @@ def test_every_experiment_validates(experiment):
                                                  "kmeans", "cam"}  # fmt: skip
 
 
+def test_method_configs_mirror_the_registered_defaults():
+    from omegaconf import OmegaConf
+
+    from centroidkv import get_method, method_names
+
+    for name in method_names():
+        config = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml"))
+        assert config["name"] == name
+        assert config["params"] == get_method(name).params(), f"configs/method/{name}.yaml is out of date"
+
+
 def test_two_bad_values_give_two_lines(tmp_path):
     with pytest.raises(ConfigError) as error:
         run_cfg(tmp_path, ["method.budget=2", "benchmark.n_samples=-1"])
