@@ -95,7 +95,7 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
                 color="black",
                 linestyle="--",
                 linewidth=1.2,
-                label=f"{name} (100 %)",
+                label=f"{name} (no compression)",
                 zorder=5,
             )
             continue
