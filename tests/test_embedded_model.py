@@ -11,7 +11,9 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(rendered, add_special_tokens=False, return_tensors="pt").input_ids
 
 
@@ -23,13 +25,27 @@ def needle_prompt(tokenizer) -> torch.Tensor:
 def test_budget_one_reproduces_stock_generation(embedded):
     model, tokenizer = embedded
     ids = needle_prompt(tokenizer)
-    stock = AutoModelForCausalLM.from_pretrained(_embedded_dir(), dtype=torch.float32, attn_implementation="sdpa")
+    stock = AutoModelForCausalLM.from_pretrained(
+        _embedded_dir(), dtype=torch.float32, attn_implementation="sdpa"
+    )
     mask = torch.ones_like(ids)  # the chat template contains the pad/eos token: no padding inferred
-    reference = stock.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                               past_key_values=DynamicCache(), pad_token_id=tokenizer.eos_token_id)
+    reference = stock.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        past_key_values=DynamicCache(),
+        pad_token_id=tokenizer.eos_token_id,
+    )
     cache = CompressedCache("centroidkv", budget=1.0, max_new_tokens=12)
-    ours = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache,
-                          pad_token_id=tokenizer.eos_token_id)
+    ours = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        past_key_values=cache,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     assert torch.equal(ours, reference)
 
 
@@ -45,14 +61,18 @@ def test_compressed_generation_on_real_keys(embedded):
     assert len(merged.tokens[0]) == 16
     # the prefill is shared and never modified by a fork
     assert prefilled.cache.seq_lengths()[0] == ids.shape[1]
-    assert all(torch.isfinite(layer.log_degree).all() for layer in prefilled.cache.fork("centroidkv", 0.5).layers)
+    assert all(
+        torch.isfinite(layer.log_degree).all() for layer in prefilled.cache.fork("centroidkv", 0.5).layers
+    )
 
 
 def test_question_after_compressed_context_matches_token_by_token(embedded):
     """Context-only protocol on the real model: a multi-token question step over a compressed cache."""
     model, tokenizer = embedded
     context = tokenizer(NOISE * 20, return_tensors="pt").input_ids
-    question = tokenizer(" What colour is the sky? Answer:", add_special_tokens=False, return_tensors="pt").input_ids
+    question = tokenizer(
+        " What colour is the sky? Answer:", add_special_tokens=False, return_tensors="pt"
+    ).input_ids
     recorder = CompressedCache("full", budget=1.0)
     model(context, past_key_values=recorder)
     block = recorder.fork("centroidkv", 0.4)
@@ -60,6 +80,8 @@ def test_question_after_compressed_context_matches_token_by_token(embedded):
         block_logits = model(question, past_key_values=block).logits
     steps = recorder.fork("centroidkv", 0.4)
     with steps.paused():
-        step_logits = torch.cat([model(question[:, i : i + 1], past_key_values=steps).logits
-                                 for i in range(question.shape[1])], dim=1)
+        step_logits = torch.cat(
+            [model(question[:, i : i + 1], past_key_values=steps).logits for i in range(question.shape[1])],
+            dim=1,
+        )
     torch.testing.assert_close(block_logits, step_logits, atol=2e-4, rtol=1e-4)
