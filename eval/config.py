@@ -16,6 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from eval.longbench.constants import EN_DATASETS
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # RULER's 13 tasks (BENCHMARKS.md); the generator in eval.ruler is the authority when it is importable.
@@ -34,24 +36,7 @@ RULER_TASKS = (
     "qa_1",
     "qa_2",
 )
-LONGBENCH_DATASETS = (
-    "narrativeqa",
-    "qasper",
-    "multifieldqa_en",
-    "hotpotqa",
-    "2wikimqa",
-    "musique",
-    "gov_report",
-    "qmsum",
-    "multi_news",
-    "trec",
-    "triviaqa",
-    "samsum",
-    "passage_count",
-    "passage_retrieval_en",
-    "lcc",
-    "repobench-p",
-)
+LONGBENCH_DATASETS = EN_DATASETS
 BENCHMARKS = ("ruler", "longbench", "niah", "toy")
 LOGGERS = ("wandb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
