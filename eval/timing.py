@@ -61,16 +61,7 @@ def measure_prefill_sharing(
     length: int = 4096,
     task: str = "niah_single_1",
     budget: float = 0.5,
-    methods: tuple[str, ...] = (
-        "full",
-        "centroidkv",
-        "streaming_llm",
-        "h2o",
-        "snapkv",
-        "pyramidkv",
-        "kmeans",
-        "cam",
-    ),
+    methods: tuple[str, ...] | None = None,
     max_new_tokens: int = 32,
 ) -> dict:
     """Cost of N methods on one sample through the shared prefill, against one prefill + N decodes.
@@ -85,6 +76,10 @@ def measure_prefill_sharing(
     from eval.runner import Evaluator, encode_prompt, load_samples, warm_up
 
     model, tokenizer = load_model(model_name)
+    if methods is None:  # every registered method
+        from centroidkv.methods import method_names
+
+        methods = tuple(method_names())
     specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget, _method_file_params(m)) for m in methods)
     try:
         from eval.config import BenchmarkConfig
@@ -135,13 +130,15 @@ if __name__ == "__main__":
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--methods", default="full,centroidkv,streaming_llm,h2o,snapkv,pyramidkv,kmeans,cam")
+    parser.add_argument(
+        "--methods", default=None, help="comma-separated names; default: every registered method"
+    )
     args = parser.parse_args()
     result = measure_prefill_sharing(
         args.model,
         args.length,
         budget=args.budget,
-        methods=tuple(args.methods.split(",")),
+        methods=tuple(args.methods.split(",")) if args.methods else None,
         max_new_tokens=args.max_new_tokens,
     )
     print(json.dumps(result, indent=2))
