@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from scripts.tables import METHOD_NAMES, METHOD_ORDER, load  # noqa: E402
+from scripts.tables import METHOD_NAMES, METHOD_ORDER, load_or_error  # noqa: E402
 
 FAMILIES = {
     "Single NIAH": ("niah_single_1", "niah_single_2", "niah_single_3"),
@@ -315,13 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="results folders or records.jsonl files")
     parser.add_argument("--out", type=Path, default=ROOT / "paper_figures")
     args = parser.parse_args(argv)
-    missing = [p for p in args.paths if not p.exists()]
-    if missing:
-        print(f"error: no such results: {', '.join(map(str, missing))}", file=sys.stderr)
-        return 2
-    df = load(args.paths)
-    if df.empty:
-        print("error: no records found", file=sys.stderr)
+    df = load_or_error(args.paths)
+    if isinstance(df, str):
+        print(df, file=sys.stderr)
         return 2
     paths = make_figures(df, args.out)
     for path in paths:

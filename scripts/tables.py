@@ -133,33 +133,46 @@ def _best(table: pd.DataFrame, column: str) -> float | None:
     return None if candidates.empty else candidates.max()
 
 
+COUNT_COLUMNS = {"n", "failed"}
+
+
+def _row_cells(table: pd.DataFrame, label, row, best: dict, digits: int, bold: str) -> list[str]:
+    """A row's formatted cells; the best value of a column (never the full cache's) wrapped in `bold`."""
+    cells = []
+    for column in table.columns:
+        text = _fmt(row[column], 0 if column in COUNT_COLUMNS else digits)
+        if best.get(column) is not None and not str(label).startswith("Full") and row[column] == best[column]:
+            text = bold.format(text)
+        cells.append(text)
+    return cells
+
+
+def load_or_error(paths: list[Path]) -> pd.DataFrame | str:
+    """The records under `paths`, or a one-line error when a path is missing or holds none."""
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        return f"error: no such results: {', '.join(map(str, missing))}"
+    df = load(paths)
+    return df if not df.empty else f"error: no records under {', '.join(map(str, paths))}"
+
+
 def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
-    counts = {"n", "failed"}
+
     header = [table.index.name or ""] + list(map(str, table.columns))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
-    best = {c: _best(table, c) for c in table.columns if c not in counts} if bold_best else {}
+    best = {c: _best(table, c) for c in table.columns if c not in COUNT_COLUMNS} if bold_best else {}
     for label, row in table.iterrows():
-        cells = [str(label)]
-        for column in table.columns:
-            text = _fmt(row[column], 0 if column in counts else digits)
-            if (
-                best.get(column) is not None
-                and not str(label).startswith("Full")
-                and row[column] == best[column]
-            ):
-                text = f"**{text}**"
-            cells.append(text)
+        cells = [str(label), *_row_cells(table, label, row, best, digits, "**{}**")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
-    counts = {"n", "failed"}
 
     def esc(text: str) -> str:
         return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
 
-    best = {c: _best(table, c) for c in table.columns if c not in counts} if bold_best else {}
+    best = {c: _best(table, c) for c in table.columns if c not in COUNT_COLUMNS} if bold_best else {}
     lines = [
         r"\begin{table}[t]",
         r"\centering",
@@ -171,16 +184,7 @@ def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool
         r"\midrule",
     ]
     for label, row in table.iterrows():
-        cells = [esc(label)]
-        for column in table.columns:
-            text = _fmt(row[column], 0 if column in counts else digits)
-            if (
-                best.get(column) is not None
-                and not str(label).startswith("Full")
-                and row[column] == best[column]
-            ):
-                text = rf"\textbf{{{text}}}"
-            cells.append(text)
+        cells = [esc(label), *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}")]
         lines.append(" & ".join(cells) + r" \\")
         if str(label).startswith("Full"):
             lines.append(r"\midrule")
@@ -252,13 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="experiment/job folders or records.jsonl files")
     parser.add_argument("--out", type=Path, help="output folder (default: <first path>/tables)")
     args = parser.parse_args(argv)
-    missing = [p for p in args.paths if not p.exists()]
-    if missing:
-        print(f"error: no such results: {', '.join(map(str, missing))}", file=sys.stderr)
-        return 2
-    df = load(args.paths)
-    if df.empty:
-        print(f"error: no records under {', '.join(map(str, args.paths))}", file=sys.stderr)
+    df = load_or_error(args.paths)
+    if isinstance(df, str):
+        print(df, file=sys.stderr)
         return 2
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent) / "tables"
     written = write_tables(df, out)
