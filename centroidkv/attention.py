@@ -46,7 +46,14 @@ def degree_attention(
     q_len, head_dim = query.shape[2], query.shape[3]
     kv_len, group = key.shape[2], query.shape[1] // key.shape[1]
     log_degree = None if layer is None else layer.log_degree
-    if log_degree is None and (q_len == 1 or q_len == kv_len):
+    received = None
+    if layer is not None and layer.tracks_attention:
+        # H2O-style methods need the attention every entry receives: one pass computes both.
+        if dropout:
+            raise NotImplementedError("accumulating attention needs dropout 0 (inference)")
+        output, received = attention_with_received(query, key, value, log_degree, scaling or head_dim**-0.5)
+        output = output.transpose(1, 2).contiguous()
+    elif log_degree is None and (q_len == 1 or q_len == kv_len):
         # All degrees 1 and no offset between queries and keys: SDPA's own causal / GQA path.
         output = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scaling, enable_gqa=group > 1
@@ -55,8 +62,55 @@ def degree_attention(
     else:
         output = _biased_attention(query, key, value, log_degree, scaling, dropout)
     if layer is not None:
-        layer.after_attention(query, scaling if scaling is not None else head_dim**-0.5)
+        layer.after_attention(query, scaling if scaling is not None else head_dim**-0.5, received)
     return output, None
+
+
+def attention_with_received(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    log_degree: Tensor | None,
+    scaling: float,
+    block: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention that also returns the attention each cached entry receives.
+
+    query [B, Hq, q, D] (the last q cached tokens), keys/values [B, H_kv, T, D] ->
+    (output [B, Hq, q, D] in the query's dtype, received [B, H_kv, T] float32: attention
+    probabilities summed over the q queries and the query heads of each KV head).
+
+    Queries go in blocks of `block` rows, and each block only meets the keys it can see (the causal
+    triangle is skipped, not masked), so q x T logits are never materialised at once. Small blocks
+    keep a block's logits in the CPU's cache, which is what makes this pass cheap there.
+    """
+    batch, kv_heads, length, head_dim = keys.shape
+    q_heads, q_len = query.shape[1], query.shape[2]
+    group = q_heads // kv_heads
+    if block is None:  # 128 query rows on a CPU, ~8M logits per block on an accelerator
+        block = 128 if keys.device.type == "cpu" else max(128, 2**23 // (q_heads * length))
+    offset = length - q_len  # cached tokens before the first query
+    keys_t, values_f = keys.float().transpose(-1, -2), values.float()
+    grouped = query.float().reshape(batch, kv_heads, group, q_len, head_dim) * scaling
+    output = values_f.new_empty(batch, kv_heads, group, q_len, head_dim)
+    received = values_f.new_zeros(batch, kv_heads, length)
+    for start in range(0, q_len, block):
+        rows = min(block, q_len - start)
+        visible = offset + start + rows  # keys the block's last query may see
+        logits = grouped[:, :, :, start : start + rows].reshape(batch, kv_heads, group * rows, head_dim)
+        logits = logits @ keys_t[..., :visible]  # rows ordered (group, query)
+        if log_degree is not None:
+            logits += log_degree[:, :, None, :visible]
+        if rows > 1:  # inside the block's own diagonal square, query i sees keys up to i
+            future = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).triu(1)
+            logits.view(batch, kv_heads, group, rows, visible)[..., visible - rows :].masked_fill_(
+                future, float("-inf")
+            )
+        probabilities = logits.softmax(dim=-1)
+        received[..., :visible] += probabilities.sum(dim=2)
+        block_output = probabilities @ values_f[:, :, :visible]
+        output[:, :, :, start : start + rows] = block_output.view(batch, kv_heads, group, rows, head_dim)
+    return output.view(batch, q_heads, q_len, head_dim).to(query.dtype), received
 
 
 def _biased_attention(

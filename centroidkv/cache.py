@@ -89,6 +89,10 @@ class CompressedLayer(DynamicLayer):
 
     # --- compression -----------------------------------------------------------------------------
     @property
+    def tracks_attention(self) -> bool:
+        return self.owner.tracks_attention
+
+    @property
     def length(self) -> int:
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
@@ -105,16 +109,20 @@ class CompressedLayer(DynamicLayer):
             return self.log_degree
         return self.keys.new_zeros(self.keys.shape[:3], dtype=torch.float32)
 
-    def after_attention(self, query: Tensor, scaling: float) -> None:
-        """Called by the attention function once this layer's attention output is computed."""
+    def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
+        """Called by the attention function once this layer's attention output is computed.
+
+        `received` ([B, H_kv, T]): the attention each entry got from `query`, which the attention
+        function computes alongside its output when the cache tracks attention.
+        """
         self.scaling = scaling
         if window := self.owner.query_window:
             recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
             self.queries = recent[:, :, -window:]
-        if self.owner.tracks_attention:
-            self.attention_sum = self.attention_sum + attention_received(
-                query, self.keys, self.log_degree, scaling
-            )
+        if self.tracks_attention:
+            if received is None:
+                raise RuntimeError("this cache tracks attention: the attention function must pass `received`")
+            self.attention_sum = self.attention_sum + received
         if self.needs_compression():
             self.compress()
 
@@ -190,32 +198,6 @@ class CompressedLayer(DynamicLayer):
         if not owner.query_window:
             twin.queries = None
         return twin
-
-
-def attention_received(
-    query: Tensor, keys: Tensor, log_degree: Tensor | None, scaling: float, block: int = 256
-) -> Tensor:
-    """Attention each cached token receives from `query` ([B, Hq, q, D]), summed over queries and the
-    query heads of its KV head: [B, H_kv, T]. Causal: the q queries are the last q cached tokens.
-
-    Queries are processed in blocks of `block`, so a long prefill never materialises q x T logits.
-    """
-    batch, kv_heads, length, head_dim = keys.shape
-    q_len = query.shape[2]
-    group = query.shape[1] // kv_heads
-    keys_t = keys.float().transpose(-1, -2)
-    allowed = causal_allowed(q_len, length, keys.device)
-    received = keys.new_zeros(batch, kv_heads, length, dtype=torch.float32)
-    for start in range(0, q_len, block):
-        part = query[:, :, start : start + block].float()  # [B, Hq, b, D]
-        rows = part.shape[2]
-        logits = part.reshape(batch, kv_heads, group * rows, head_dim) @ keys_t * scaling
-        if log_degree is not None:
-            logits = logits + log_degree.unsqueeze(2)
-        if q_len > 1:
-            logits = logits.masked_fill(~allowed[start : start + rows].repeat(group, 1), float("-inf"))
-        received += logits.softmax(dim=-1).sum(dim=2)
-    return received
 
 
 def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> Tensor:

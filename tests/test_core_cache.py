@@ -170,10 +170,12 @@ def test_cache_refuses_unprepared_model(tiny_model):
 
 
 class _FakeLayer:
+    tracks_attention = False
+
     def __init__(self, log_degree):
         self.log_degree = log_degree
 
-    def after_attention(self, query, scaling):
+    def after_attention(self, query, scaling, received=None):
         pass
 
 
@@ -245,3 +247,38 @@ def test_budget_too_small_for_protected_tokens(tiny_model):
     cache = CompressedCache(get_method("centroidkv"), budget=0.1, max_new_tokens=0)
     with pytest.raises(ValueError, match="cannot hold"):
         tiny_model(prompt(300), past_key_values=cache)
+
+
+@pytest.mark.parametrize("q_len,block", [(1, None), (37, 8), (37, 64), (50, 16), (50, None)])
+def test_attention_with_received_equals_eager_softmax(q_len, block):
+    """The blocked, triangle-skipping pass gives SDPA's output and the summed masked softmax."""
+    from centroidkv.attention import attention_with_received
+    from centroidkv.cache import causal_allowed
+
+    generator = torch.Generator().manual_seed(q_len)
+    kv_len, q_heads, kv_heads = 50, 6, 2
+    query = torch.randn(2, q_heads, q_len, 16, generator=generator)
+    keys = torch.randn(2, kv_heads, kv_len, 16, generator=generator)
+    values = torch.randn(2, kv_heads, kv_len, 16, generator=generator)
+    log_degree = torch.rand(2, kv_heads, kv_len, generator=generator)
+    logits = query @ keys.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.25
+    logits = logits + log_degree.repeat_interleave(3, dim=1).unsqueeze(2)
+    logits = logits.masked_fill(~causal_allowed(q_len, kv_len, keys.device), float("-inf"))
+    probabilities = logits.softmax(-1)
+    expected_received = probabilities.sum(dim=2).view(2, kv_heads, 3, kv_len).sum(dim=2)
+    expected_output = probabilities @ values.repeat_interleave(3, dim=1)
+    output, received = attention_with_received(query, keys, values, log_degree, 0.25, block=block)
+    torch.testing.assert_close(received, expected_received, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(output, expected_output, rtol=1e-5, atol=1e-5)
+
+
+def test_tracking_attention_does_not_change_the_answer(tiny_model):
+    """A cache that records accumulated attention decodes exactly like one that does not."""
+    ids = prompt(120)
+    plain, _ = greedy(tiny_model, ids, CompressedCache("full", 1.0, 8), 8)
+    tracked_cache = CompressedCache("full", 1.0, 8, record_attention=True)
+    tracked, _ = greedy(tiny_model, ids, tracked_cache, 8)
+    assert torch.equal(plain, tracked)
+    sums = torch.stack([layer.attention_sum.sum(-1) for layer in tracked_cache.layers])
+    heads_per_kv = tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads
+    torch.testing.assert_close(sums, torch.full_like(sums, (120 + 8) * heads_per_kv))
