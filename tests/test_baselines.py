@@ -276,6 +276,18 @@ def test_kmeans_with_one_cluster_per_token_is_the_identity():
         assert torch.equal(out.log_degree, torch.zeros_like(out.log_degree))
 
 
+def test_kmeans_stopping_at_a_fixed_point_changes_nothing():
+    """Ending Lloyd's loop once no assignment changes gives exactly the all-iterations result."""
+    from baselines.kmeans import kmeans_compress
+
+    kv, _ = _segment(length=300)
+    for cosine in (True, False):
+        early = kmeans_compress(kv, 60, iterations=30, cosine=cosine, stop_at_fixed_point=True)
+        every = kmeans_compress(kv, 60, iterations=30, cosine=cosine, stop_at_fixed_point=False)
+        for name in ("keys", "values", "log_degree"):
+            assert torch.equal(getattr(early, name), getattr(every, name))
+
+
 def test_cam_merges_evicted_values_into_kept_neighbours():
     """Evicted values go to the m kept tokens that follow (the last m when none follow), divided by
     m, when their attention is prominent (p = 1) and not at all when it is zero (p = 0); keys and
