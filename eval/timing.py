@@ -114,6 +114,7 @@ def measure_prefill_sharing(
         recording_prefill_s=ok[0]["prefill_s"] if ok else None,
         decode_s=decode,
         compress_s=compress,
+        compress_s_by_method={r["method"]: round(r["compress_s"], 3) for r in ok},
         shared_s=shared.seconds,
         ratio_decode_only=shared.seconds / (plain.seconds + decode),
         ratio_with_compress=shared.seconds / (plain.seconds + decode + compress),

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from eval.records import iter_records  # noqa: E402
@@ -98,6 +99,57 @@ def score_table(df: pd.DataFrame, budget: float, names: dict[str, str] | None = 
     return table
 
 
+def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """How stable the ranking by average score is, per budget: a paired bootstrap over samples.
+
+    Each draw resamples, within every task, that task's samples with replacement (the same samples
+    for every method: they share prompts), and recomputes each method's average over tasks. Reported
+    per method: the average, its 95 % interval, and P(> next), the fraction of draws in which it
+    scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
+    step of the ranking would survive new samples; near 0.5 means the two are not told apart.
+    Only samples every method at that budget finished are used.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for budget in budgets:
+        part = df[df["ok"] & ((df["budget"] == budget) | (df["method"] == "full"))]
+        scores = part.pivot_table(
+            index=["task", "sample_id"], columns="label", values="score", aggfunc="mean"
+        )
+        scores = scores.dropna()
+        if scores.empty:
+            continue
+        tasks = scores.index.get_level_values("task")
+        per_draw = np.zeros((draws, scores.shape[1]))
+        for task in tasks.unique():  # one task's matrix [samples, methods], resampled by row
+            matrix = scores[tasks == task].to_numpy()
+            picks = rng.integers(0, len(matrix), size=(draws, len(matrix)))
+            per_draw += matrix[picks].mean(axis=1)
+        per_draw /= tasks.nunique()
+        means = scores.groupby(level="task").mean().mean(axis=0).to_numpy()
+        order = np.argsort(-means, kind="stable")
+        for rank, column in enumerate(order):
+            below = order[rank + 1] if rank + 1 < len(order) else None
+            beats = None
+            if below is not None:
+                diff = per_draw[:, column] - per_draw[:, below]
+                beats = float((diff > 0).mean() + 0.5 * (diff == 0).mean())
+            low, high = np.percentile(per_draw[:, column], [2.5, 97.5])
+            rows.append(
+                {
+                    "Budget": f"{budget:g}",
+                    "Rank": rank + 1,
+                    "Method": scores.columns[column],
+                    "Avg": means[column],
+                    "95% CI": f"{low:.1f}-{high:.1f}",
+                    "P(> next)": "-" if beats is None else f"{beats:.2f}",
+                    "samples": len(scores),
+                }
+            )
+    table = pd.DataFrame(rows)
+    return table.set_index("Budget") if not table.empty else table
+
+
 def speed_table(df: pd.DataFrame) -> pd.DataFrame:
     """Method@budget x context length: mean TPOT (ms), TTFT (s) and KV cache (MiB)."""
     ok = df[df["ok"]].copy()
@@ -119,6 +171,8 @@ def speed_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _fmt(value, digits: int) -> str:
+    if isinstance(value, str):
+        return value
     if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer() and digits == 0):
         return str(int(value))
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -133,7 +187,7 @@ def _best(table: pd.DataFrame, column: str) -> float | None:
     return None if candidates.empty else candidates.max()
 
 
-COUNT_COLUMNS = {"n", "failed"}
+COUNT_COLUMNS = {"n", "failed", "Rank", "samples"}
 
 
 def _row_cells(table: pd.DataFrame, label, row, best: dict, digits: int, bold: str) -> list[str]:
@@ -170,7 +224,7 @@ def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) ->
 def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
 
     def esc(text: str) -> str:
-        return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
+        return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace(">", r"$>$")
 
     best = {c: _best(table, c) for c in table.columns if c not in COUNT_COLUMNS} if bold_best else {}
     lines = [
@@ -214,6 +268,11 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             n_tasks = part["task"].nunique()
             caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
             tables[f"{bench}_summary"] = (caption, summary, 1)
+            caption = (
+                f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
+                f"{models}, context {lengths} tokens"
+            )
+            tables[f"{bench}_ranking"] = (caption, ranking_table(part, budgets), 1)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
@@ -239,8 +298,9 @@ def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     written = []
     for name, (caption, table, digits) in make_tables(df).items():
         name = prefix + name
-        markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best=name != 'speed')}\n"
-        latex = to_latex(table, caption, digits, bold_best=name != "speed") + "\n"
+        bold_best = not name.endswith(("speed", "ranking"))
+        markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best)}\n"
+        latex = to_latex(table, caption, digits, bold_best) + "\n"
         for suffix, text in ((".md", markdown), (".tex", latex)):
             path = out / f"{name}{suffix}"
             path.write_text(text, encoding="utf-8")
