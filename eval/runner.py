@@ -2,8 +2,9 @@
 
 Per sample the prompt is prefilled once with a full cache that records what every method needs
 (query window, accumulated attention); each (method, budget) then forks that cache (tensors shared,
-compressed at once) and decodes greedily. TTFT = prefill + the fork's compression (+ the question in
-the context-only protocol); TPOT = mean time of the decode forwards. One JSON line per
+compressed at once) and decodes greedily, both through `centroidkv.decoding`. TTFT = prefill + the
+fork's compression (+ the question in the context-only protocol); TPOT = mean time of the decode
+steps after the first. One JSON line per
 sample x method x budget goes to `results/<experiment>/<job>/records.jsonl` as soon as it is known.
 """
 
@@ -24,9 +25,10 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from centroidkv.decoding import Prefill, generate_from, prefill
 from eval.config import MethodSpec, RunConfig
 from eval.records import JobStore, environment, record_key
-from eval.timing import Timer, peak_memory, reset_peak_memory
+from eval.timing import peak_memory, reset_peak_memory
 
 Sample = dict[str, Any]
 
@@ -219,7 +221,6 @@ class Evaluator:
         self.methods = {spec: get_method(spec.name, **spec.params) for spec in specs}
         self.bench_name, self.context_only = bench_name, context_only
         self.device = next(model.parameters()).device
-        self.timer = Timer(self.device)
         self.vocab = model.config.vocab_size
         eos = getattr(tokenizer, "eos_token_id", None)
         eos_ids = eos if isinstance(eos, list) else [eos]
@@ -231,70 +232,53 @@ class Evaluator:
         # Tiny test models have a 512-token vocabulary: fold the embedded tokenizer's ids into it.
         return torch.tensor([[t % self.vocab for t in tokens]], device=self.device)
 
-    @torch.inference_mode()
-    def prefill(self, head: list[int], max_new_tokens: int, specs: list[MethodSpec]):
-        from centroidkv import CompressedCache, get_method
-
+    def prefill(self, head: list[int], max_new_tokens: int, specs: list[MethodSpec]) -> Prefill:
+        """The sample's shared prefill, recording what every method of `specs` needs."""
         methods = [self.methods[s] for s in specs]
-        recorder = CompressedCache(
-            get_method("full"),
-            budget=1.0,
-            max_new_tokens=max_new_tokens,
+        return prefill(
+            self.model,
+            self.ids(head),
+            max_new_tokens,
             record_queries=max(m.query_window for m in methods),
             record_attention=any(m.accumulates_attention for m in methods),
         )
-        with self.timer.span() as span:
-            logits = self.model(self.ids(head), past_key_values=recorder, logits_to_keep=1).logits
-        return recorder, logits[:, -1], span.seconds
 
-    @torch.inference_mode()
     def decode(
         self,
-        recorder,
-        last_logits,
-        prefill_s: float,
+        prefilled: Prefill,
         spec: MethodSpec,
         tail: list[int],
         max_new_tokens: int,
         eos: set[int] | None = None,
     ) -> dict:
         """Fork, compress, (feed the question,) decode greedily; returns the measurements."""
-        eos = self.eos if eos is None else eos
         reset_peak_memory(self.device)
-        with self.timer.span() as span:
-            cache = recorder.fork(self.methods[spec], spec.budget, max_new_tokens)
-        compress_s = span.seconds
-        kv_bytes_compressed = cache.kv_bytes()
-        feed_s = 0.0
-        if tail:
-            with self.timer.span() as span, cache.paused():
-                last_logits = self.model(self.ids(tail), past_key_values=cache, logits_to_keep=1).logits[
-                    :, -1
-                ]
-            feed_s = span.seconds
-        token = last_logits.argmax(-1, keepdim=True)
-        generated = [int(token)]
-        step_s: list[float] = []
-        while len(generated) < max_new_tokens and generated[-1] not in eos:
-            with self.timer.span() as span:
-                logits = self.model(token, past_key_values=cache, logits_to_keep=1).logits
-                token = logits[:, -1].argmax(-1, keepdim=True)
-            step_s.append(span.seconds)
-            generated.append(int(token))
-        if generated[-1] in eos:
-            generated.pop()
+        result = generate_from(
+            self.model,
+            prefilled,
+            self.methods[spec],
+            spec.budget,
+            max_new_tokens,
+            eos_token_ids=self.eos if eos is None else eos,
+            question_ids=self.ids(tail) if tail else None,
+        )
+        generated = result.tokens[0]
+        if generated and generated[-1] in (self.eos if eos is None else eos):
+            generated = generated[:-1]
         peak, peak_kind = peak_memory(self.device)
         return dict(
             generated=generated,
-            ttft=prefill_s + compress_s + feed_s,
-            tpot=sum(step_s) / len(step_s) if step_s else None,
-            prefill_s=prefill_s,
-            compress_s=compress_s,
-            n_decode_steps=len(step_s),
-            kv_bytes=kv_bytes_compressed,
-            kv_bytes_final=cache.kv_bytes(),
-            kv_len=max(cache.seq_lengths(), default=0),
-            n_compressions=cache.n_compressions,
+            ttft=result.ttft_s,
+            tpot=None if math.isnan(result.tpot_s) else result.tpot_s,
+            prefill_s=prefilled.seconds,
+            compress_s=result.compress_s,
+            feed_s=result.feed_s,
+            decode_s=result.decode_s,
+            n_decode_steps=result.n_decode_steps,
+            kv_bytes=result.kv_bytes_compressed,
+            kv_bytes_final=result.kv_bytes,
+            kv_len=max(result.seq_lengths, default=0),
+            n_compressions=result.n_compressions,
             peak_mem=peak,
             peak_mem_kind=peak_kind,
         )
@@ -316,7 +300,7 @@ class Evaluator:
         try:
             head, tail = encode_prompt(sample, self.tokenizer, self.context_only)
             base["context_length"] = len(head) + len(tail)
-            recorder, last_logits, prefill_s = self.prefill(head, max_new, specs)
+            prefilled = self.prefill(head, max_new, specs)
         except Exception as error:  # the sample is recorded as failed for every method, the job goes on
             _free_memory(self.device)
             for spec in specs:
@@ -325,7 +309,7 @@ class Evaluator:
         eos = set() if ignore_eos else self.eos
         for spec in specs:
             try:
-                result = self.decode(recorder, last_logits, prefill_s, spec, tail, max_new, eos)
+                result = self.decode(prefilled, spec, tail, max_new, eos)
             except Exception as error:
                 _free_memory(self.device)
                 yield self.failed(base, spec, error)
@@ -376,10 +360,10 @@ def warm_up(evaluator: Evaluator) -> None:
     """One short untimed prefill + decode per method, so one-time costs stay out of the timings."""
     head = list(range(10, 10 + 200))
     specs = list(evaluator.specs)
-    recorder, logits, seconds = evaluator.prefill(head, 4, specs)
+    prefilled = evaluator.prefill(head, 4, specs)
     for spec in specs:
         try:
-            evaluator.decode(recorder, logits, seconds, spec, [], 4)
+            evaluator.decode(prefilled, spec, [], 4)
         except Exception:  # a method that cannot run on a 200-token prompt will fail (and be recorded) later
             pass
 

@@ -1,45 +1,16 @@
-"""Timing and memory: CUDA events on a GPU, `perf_counter` on CPU; peak memory per device.
+"""Peak memory per device, and the prefill-sharing measurement (`python -m eval.timing`).
 
-`Timer(device).span()` times a block in seconds. On CUDA the block is bracketed by events and the
-end event is synchronised, so asynchronous kernels are counted; on CPU wall time is exact enough.
+Timing itself is `centroidkv.decoding.Timer` (CUDA events on a GPU, `perf_counter` on a CPU).
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class Span:
-    seconds: float = 0.0
-
-
-class Timer:
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-
-    @contextmanager
-    def span(self) -> Iterator[Span]:
-        result = Span()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield result
-            end.record()
-            end.synchronize()
-            result.seconds = start.elapsed_time(end) / 1000.0
-        else:
-            start_time = time.perf_counter()
-            yield result
-            result.seconds = time.perf_counter() - start_time
+from centroidkv.decoding import Timer
 
 
 def reset_peak_memory(device: torch.device | str) -> None:
@@ -103,7 +74,7 @@ def measure_prefill_sharing(
         records = evaluator.run_sample(sample, list(specs), max_new_tokens)
     failed = [r["method"] for r in records if r["status"] != "ok"]
     ok = [r for r in records if r["status"] == "ok"]
-    decode = sum((r["tpot"] or 0.0) * r["n_decode_steps"] for r in ok)
+    decode = sum(r["decode_s"] for r in ok)
     compress = sum(r["compress_s"] for r in ok)
     return dict(
         model=model_name,

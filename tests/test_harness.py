@@ -323,6 +323,23 @@ def test_tables_from_fixture(tmp_path):
     assert r"\begin{tabular}" in tex and r"CentroidKV & \textbf{100.0} & \textbf{50.0} & \textbf{75.0}" in tex
 
 
+def test_ranking_table_from_fixture(tmp_path):
+    from scripts.tables import main
+
+    assert main([str(FIXTURES / "fixture_ruler"), "--out", str(tmp_path)]) == 0
+    lines = (tmp_path / "ruler_ranking.md").read_text().splitlines()[4:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| 0.25")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("1", "Full cache", "100.0"),
+        ("2", "CentroidKV", "50.0"),
+        ("3", "SnapKV", "37.5"),
+    ]
+    assert rows[0][4] == "100.0-100.0" and rows[0][5] == "1.00"  # CentroidKV can reach 75 at most
+    # CentroidKV vs SnapKV, paired draws of 2 samples per task, enumerated by hand: P(>) + P(=)/2 = 0.72
+    assert abs(float(rows[1][5]) - 0.72) < 0.04
+    assert rows[2][5] == "-"
+
+
 def test_speed_table_from_fixture(tmp_path):
     from scripts.tables import main
 
