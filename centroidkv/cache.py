@@ -17,6 +17,7 @@ position ids from it, and new tokens must keep their original positions), while 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,7 +33,9 @@ class CompressedLayer(DynamicLayer):
 
     def __init__(self, owner: CompressedCache, layer_idx: int):
         super().__init__()
-        self.owner = owner
+        # A weak reference: a strong one would make cache <-> layer a reference cycle, and every
+        # dropped cache (one per fork) would hold its tensors until Python's cycle collector runs.
+        self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.log_degree: Tensor | None = None
         self.attention_sum: Tensor | None = None  # [B, H, T], for methods that accumulate attention
@@ -41,6 +44,13 @@ class CompressedLayer(DynamicLayer):
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
         self.n_compressions = 0
+
+    @property
+    def owner(self) -> CompressedCache:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("this cache layer outlived its CompressedCache")
+        return owner
 
     # --- transformers' layer interface -------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):

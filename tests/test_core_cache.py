@@ -282,3 +282,20 @@ def test_tracking_attention_does_not_change_the_answer(tiny_model):
     sums = torch.stack([layer.attention_sum.sum(-1) for layer in tracked_cache.layers])
     heads_per_kv = tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads
     torch.testing.assert_close(sums, torch.full_like(sums, (120 + 8) * heads_per_kv))
+
+
+def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny_model):
+    """Layers refer to their cache weakly, so dropping a cache (or a fork) frees its tensors at once."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        cache = CompressedCache("centroidkv", 0.5, 4, record_attention=True)
+        tiny_model(prompt(200), past_key_values=cache)
+        fork = cache.fork("h2o", 0.5)
+        refs = [weakref.ref(cache), weakref.ref(fork), weakref.ref(cache.layers[0])]
+        del cache, fork
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()
