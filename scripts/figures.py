@@ -149,16 +149,18 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         for ax in axes.flat[len(families) :]:
             ax.axis("off")
         handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.suptitle(f"RULER score vs budget per task family — {_subtitle(ruler)}", fontsize=11)
+        fig.tight_layout()
+        # Below the panels (after the layout, so it cannot cover the x-axis labels); the saved
+        # figure's tight bounding box takes it in.
         fig.legend(
             handles,
             labels,
-            loc="lower center",
-            ncol=min(5, len(labels)),
+            loc="upper center",
+            ncol=min(len(labels), 3 * cols),
             fontsize=8,
-            bbox_to_anchor=(0.5, -0.06),
+            bbox_to_anchor=(0.5, 0.0),
         )
-        fig.suptitle(f"RULER score vs budget per task family — {_subtitle(ruler)}", fontsize=11)
-        fig.tight_layout()
         paths += _save(fig, out, f"{prefix}ruler_accuracy_by_family")
     return paths
 
