@@ -252,6 +252,7 @@ class Evaluator:
         eos: set[int] | None = None,
     ) -> dict:
         """Fork, compress, (feed the question,) decode greedily; returns the measurements."""
+        eos = self.eos if eos is None else eos
         reset_peak_memory(self.device)
         result = generate_from(
             self.model,
@@ -259,11 +260,11 @@ class Evaluator:
             self.methods[spec],
             spec.budget,
             max_new_tokens,
-            eos_token_ids=self.eos if eos is None else eos,
+            eos_token_ids=eos,
             question_ids=self.ids(tail) if tail else None,
         )
         generated = result.tokens[0]
-        if generated and generated[-1] in (self.eos if eos is None else eos):
+        if generated and generated[-1] in eos:  # the prediction is the text before the end token
             generated = generated[:-1]
         peak, peak_kind = peak_memory(self.device)
         return dict(
