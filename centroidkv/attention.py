@@ -46,12 +46,13 @@ def degree_attention(
     q_len, head_dim = query.shape[2], query.shape[3]
     kv_len, group = key.shape[2], query.shape[1] // key.shape[1]
     log_degree = None if layer is None else layer.log_degree
+    scale = scaling if scaling is not None else head_dim**-0.5
     received = None
     if layer is not None and layer.tracks_attention:
         # H2O-style methods need the attention every entry receives: one pass computes both.
         if dropout:
             raise NotImplementedError("accumulating attention needs dropout 0 (inference)")
-        output, received = attention_with_received(query, key, value, log_degree, scaling or head_dim**-0.5)
+        output, received = attention_with_received(query, key, value, log_degree, scale)
         output = output.transpose(1, 2).contiguous()
     elif log_degree is None and (q_len == 1 or q_len == kv_len):
         # All degrees 1 and no offset between queries and keys: SDPA's own causal / GQA path.
@@ -62,7 +63,7 @@ def degree_attention(
     else:
         output = _biased_attention(query, key, value, log_degree, scaling, dropout)
     if layer is not None:
-        layer.after_attention(query, scaling if scaling is not None else head_dim**-0.5, received)
+        layer.after_attention(query, scale, received)
     return output, None
 
 

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from centroidkv.decoding import Prefill, generate_from, prefill
+from centroidkv.decoding import Prefill, default_eos, generate_from, prefill
 from eval.config import MethodSpec, RunConfig
 from eval.records import JobStore, environment, record_key
 from eval.timing import peak_memory, reset_peak_memory
@@ -223,9 +223,7 @@ class Evaluator:
         self.device = next(model.parameters()).device
         self.vocab = model.config.vocab_size
         eos = getattr(tokenizer, "eos_token_id", None)
-        eos_ids = eos if isinstance(eos, list) else [eos]
-        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos_ids += extra if isinstance(extra, list) else [extra]
+        eos_ids = [*(eos if isinstance(eos, list) else [eos]), *default_eos(model)]
         self.eos = {int(e) for e in eos_ids if e is not None and e < self.vocab}
 
     def ids(self, tokens: list[int]) -> torch.Tensor:

@@ -8,6 +8,16 @@ from centroidkv import load_model
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session", params=["tiny-llama", "tiny-mistral"])
 def tiny_model(request):
     model, _ = load_model(request.param)

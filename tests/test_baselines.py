@@ -15,6 +15,8 @@ import torch
 from centroidkv import CompressedCache, get_method, load_model, method_names
 from centroidkv.methods import REGISTRY
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 METHODS = method_names()
 MODELS = ("tiny-llama", "tiny-mistral")
 PROMPT_LEN, NEW_TOKENS, BUDGET = 300, 200, 0.5
@@ -48,15 +50,6 @@ COMMON_BAD = [
     ({"n_recent": 1.5}, "n_recent"),
     ({"compress_interval": 0}, "compress_interval"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=MODELS)

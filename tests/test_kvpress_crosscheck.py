@@ -34,6 +34,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from centroidkv import ATTN_IMPLEMENTATION, CompressedCache, get_method, load_model
 from centroidkv.attention import degree_attention
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 kvpress = pytest.importorskip("kvpress")
 
 # Importing kvpress wraps every registered attention function (kvpress.attention_patch) in a wrapper
@@ -124,15 +126,6 @@ def compare_positions(model, kv_model, press, method, context, question):
 
 def random_ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
