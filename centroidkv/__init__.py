@@ -2,7 +2,8 @@
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
 from centroidkv.cache import CompressedCache
-from centroidkv.methods import LayerKV, LayerStats, Method, get_method, method_names, register
+from centroidkv.kv import LayerKV, LayerStats
+from centroidkv.methods import Method, get_method, method_names, register
 from centroidkv.models import load_model, load_tokenizer
 
 __all__ = [

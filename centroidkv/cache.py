@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from centroidkv.methods import LayerKV, LayerStats, Method, get_method
+from centroidkv.kv import LayerKV, LayerStats
+from centroidkv.methods import Method, get_method
 
 
 class CompressedLayer(DynamicLayer):

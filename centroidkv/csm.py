@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from centroidkv.methods import LayerKV
+from centroidkv.kv import LayerKV
 from centroidkv.schedule import LinearSchedule
 
 
