@@ -22,6 +22,7 @@ import importlib
 import pkgutil
 import sys
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
@@ -64,6 +65,11 @@ class Method:
     compresses: ClassVar[bool] = True  # False for the full cache
     merges: ClassVar[bool] = False  # True when log_degree changes (CentroidKV, K-Means, CaM)
     accumulates_attention: ClassVar[bool] = False  # True: the cache keeps LayerKV.attention_sum
+    # True: the method compresses inside its own prefill forward (kvpress's presses), so it cannot
+    # fork the runner's shared prefill. The runner then prefills the context for it alone with
+    # `prefill_hooks` active, feeds the question afterwards (the context-only protocol) and decodes
+    # with `decoding_hooks` active; `compress` is not used.
+    compresses_in_prefill: ClassVar[bool] = False
 
     n_sink: int = 16
     n_recent: int = 64
@@ -102,6 +108,21 @@ class Method:
 
     def params(self) -> dict:
         return dataclasses.asdict(self)
+
+    def prefill_hooks(
+        self, model: Any, budget: float, context_len: int, max_new_tokens: int
+    ) -> AbstractContextManager:
+        """Active during the prefill forward (of `context_len` tokens) of a `compresses_in_prefill`
+        method; the budget means what it means for every method, R * (context_len + max_new_tokens)."""
+        return nullcontext()
+
+    def decoding_hooks(self, model: Any, budget: float) -> AbstractContextManager:
+        """Active while the question is fed and the answer decoded, after `prefill_hooks`."""
+        return nullcontext()
+
+    def run_fields(self) -> dict[str, Any]:
+        """Fields this method adds to the record of its latest run (e.g. whether memory was saved)."""
+        return {}
 
 
 def _check_int(method: Method, field: str, minimum: int) -> None:

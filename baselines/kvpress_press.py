@@ -1,0 +1,239 @@
+"""kvpress: any press of NVIDIA's kvpress library run as a method of this harness.
+
+Library: kvpress (github.com/NVIDIA/kvpress, version 0.5.5), a collection of KV-cache compression
+methods ("presses"). Paper: each press cites its own in its kvpress docstring (e.g. SnapKVPress:
+Li et al., arXiv 2404.14469). Install with `pip install -e ".[kvpress]"`.
+
+How it runs (docs/benchmarks.md, "kvpress presses"):
+- A press compresses inside the prefill forward, through its own forward hooks on the attention
+  layers, on this harness's model (our attention runs under kvpress's attention wrapper) and on this
+  harness's `CompressedCache`. So a press cannot fork the runner's shared prefill: it gets its own
+  prefill per (sample, budget) (`compresses_in_prefill`), and its compression time is part of
+  `prefill_s`.
+- Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
+  is fed and the answer decoded on the compressed cache. Records of a press always say
+  `protocol: context_only`.
+- Budget: a press keeps the entries every method of the harness keeps, B = int(R * (n + Gamma))
+  for an n-token context and Gamma = max_new_tokens: its `compression_ratio` is 1 - B / n (nudged
+  so that kvpress's int(n * (1 - ratio)) is exactly B), which is kvpress's 1 - R when Gamma = 0.
+  A press whose compression is not set by a compression ratio is refused (one line).
+- Decode-time compression: only through kvpress's `PrefillDecodingPress` (its prefill press takes
+  the budget, its decoding press compresses every `compression_interval` steps to `target_size`).
+  A bare `DecodingPress` compresses nothing during prefill, so the budget cannot drive it: refused.
+- Memory: presses that shrink the tensors report the real `kv_bytes`. Presses that evict head-wise
+  by masking keys instead (AdaKV-style, e.g. AdaKVPress, CriticalAdaKVPress, DuoAttentionPress,
+  KVzipPress) keep every tensor full-size: their records have `kv_masked: true`, tables mark them
+  "[masked]", and their kv_bytes is the full cache's, i.e. no memory is saved.
+
+Parameters:
+  press: the kvpress class name, e.g. "SnapKVPress" (default), "TOVAPress", "AdaKVPress".
+  press_params: the press's own parameters (not compression_ratio, which comes from the budget).
+    A wrapper's inner press (fields press, base_press, prefilling_press, decoding_press) is given by
+    its class name or as a mapping {"press": "<ClassName>", <its parameters>...}, e.g.
+    `method.params.press=AdaKVPress +method.params.press_params.press=SnapKVPress`.
+  n_sink, n_recent, compress_interval: unused (the press decides what it keeps).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from centroidkv.methods import LayerKV, LayerStats, Method, register
+
+EXTRA = 'kvpress is not installed: pip install -e ".[kvpress]"'
+INNER_FIELDS = ("press", "base_press", "prefilling_press", "decoding_press")
+NOT_PRESSES = ("BasePress", "ScorerPress")  # abstract bases
+
+# Presses that need an artefact from the Hugging Face Hub (or a dataset) before they can run, with
+# the reason; the zoo (configs/experiment/kvpress_zoo.yaml) skips them with this line.
+NEEDS_HUB = {
+    "QFilterPress": "downloads its Q-filters for the model from the Hub (nthngdy/<model>_qfilt)",
+    "DuoAttentionPress": "downloads its streaming-head patterns, or scores them on the booksum dataset",
+    "ExpectedAttentionStatsPress": "downloads its query statistics, or computes them on a Hub dataset",
+    "KVzapPress": "downloads its trained KVzap scorer from the Hub",
+    "FastKVzipPress": "downloads its trained gates from the Hub (Jang-Hyun/Fast-KVzip)",
+    "RestoreKVPress": "downloads its restore embeddings from the Hub",
+}
+
+
+def import_kvpress():
+    """The kvpress module, with our attention wrapped by its head-wise masking patch."""
+    try:
+        import kvpress
+    except ImportError:
+        raise ValueError(EXTRA) from None
+    from kvpress.attention_patch import attention_patch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from centroidkv.attention import ATTN_IMPLEMENTATION, degree_attention
+
+    # kvpress wraps the attention functions registered when it is imported; ours may come later.
+    if ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION) is degree_attention:
+        ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = attention_patch(degree_attention)
+    return kvpress
+
+
+def press_names() -> list[str]:
+    """Every concrete press class kvpress exports."""
+    kvpress = import_kvpress()
+    return sorted(
+        name
+        for name in kvpress.__all__
+        if isinstance(getattr(kvpress, name), type)
+        and issubclass(getattr(kvpress, name), kvpress.BasePress)
+        and name not in NOT_PRESSES
+    )
+
+
+def short_name(press: str, params: dict[str, Any]) -> str:
+    """SnapKVPress -> SnapKV; AdaKVPress around SnapKVPress -> AdaKV(SnapKV)."""
+    inner = [params[k] for k in INNER_FIELDS if isinstance(params.get(k), (str, dict))]
+    inner_names = [
+        short_name(i, {}) if isinstance(i, str) else short_name(i.get("press", "?"), i) for i in inner
+    ]
+    name = press.removesuffix("Press")
+    return f"{name}({', '.join(inner_names)})" if inner_names else name
+
+
+def construct_press(name: str, params: dict[str, Any], ratio: float):
+    """The kvpress press `name` built with `params`; inner presses built from their names."""
+    kvpress = import_kvpress()
+    if name not in press_names():
+        raise ValueError(f"kvpress: unknown press {name!r}; choose one of {', '.join(press_names())}")
+    cls = getattr(kvpress, name)
+    fields = set(inspect.signature(cls).parameters)  # some presses have their own __init__
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ValueError(
+            f"kvpress {name}: unknown parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}"
+        )
+    if "compression_ratio" in params:
+        raise ValueError(f"kvpress {name}: compression_ratio is set from the budget (1 - budget); remove it")
+    kwargs = dict(params)
+    for key in INNER_FIELDS:
+        value = kwargs.get(key)
+        inner_ratio = 0.0 if key == "base_press" else ratio  # a decoding press sets its own
+        if isinstance(value, str):
+            kwargs[key] = construct_press(value, {}, inner_ratio)
+        elif isinstance(value, dict):
+            inner = dict(value)
+            kwargs[key] = construct_press(str(inner.pop("press", None)), inner, inner_ratio)
+    if "compression_ratio" in fields:
+        kwargs["compression_ratio"] = ratio
+    try:
+        return cls(**kwargs)
+    except Exception as error:  # kvpress validates with asserts and its constructors' own errors
+        raise ValueError(f"kvpress {name}: {_first_line(error)}") from None
+
+
+def build_press(name: str, params: dict[str, Any], ratio: float):
+    """The press `name` compressing a fraction `ratio` of the context; ValueError (one line) for a
+    bad name or parameter, or for a press that a budget cannot drive."""
+    kvpress = import_kvpress()
+    press = construct_press(name, params, ratio)
+    if isinstance(press, kvpress.PrefillDecodingPress):
+        if press.prefilling_press is None:
+            raise ValueError(f"kvpress {name}: needs a prefilling_press (it takes the budget)")
+        return press
+    if isinstance(press, kvpress.DecodingPress):
+        raise ValueError(
+            f"kvpress {name}: compresses during decoding only, so a budget cannot drive it; "
+            "wrap it in PrefillDecodingPress"
+        )
+    try:
+        press.compression_ratio = ratio  # wrappers forward it to their inner press
+        driven = press.compression_ratio == ratio
+    except Exception:  # no such attribute, a read-only property, or one known only after a forward
+        driven = False
+    if not driven:
+        raise ValueError(
+            f"kvpress {name}: its compression is not set by a compression ratio, so a budget cannot drive it"
+        )
+    return press
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def ratio_for(budget: float, context_len: int, max_new_tokens: int) -> float:
+    """kvpress's compression ratio that keeps B = int(budget * (n + Gamma)) of n context tokens."""
+    kept = min(context_len, int(budget * (context_len + max_new_tokens)))
+    # kvpress keeps int(n * (1 - ratio)); aim half an entry above B so rounding cannot lose one.
+    return max(0.0, 1.0 - (kept + 0.5) / context_len) if kept < context_len else 0.0
+
+
+def attention_modules(model) -> list:
+    language_model = getattr(model.model, "language_model", model.model)
+    return [layer.self_attn for layer in language_model.layers]
+
+
+@register
+@dataclass
+class KVPress(Method):
+    name = "kvpress"
+    label = "kvpress"
+    compresses_in_prefill = True
+
+    press: str = "SnapKVPress"
+    press_params: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.press, str):
+            raise ValueError(f"{self.name}: press must be a kvpress class name, got {self.press!r}")
+        if not isinstance(self.press_params, dict):
+            raise ValueError(f"{self.name}: press_params must be a mapping, got {self.press_params!r}")
+        self.press_params = dict(self.press_params)
+        build_press(self.press, self.press_params, 0.5)  # every bad name or value fails here, before a run
+        self._masked = False
+
+    @classmethod
+    def label_for(cls, params: dict[str, Any]) -> str:
+        press = params.get("press") or cls.__dataclass_fields__["press"].default
+        return f"{short_name(press, dict(params.get('press_params') or {}))} (kvpress)"
+
+    def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
+        raise RuntimeError(
+            "kvpress presses compress inside their own prefill forward (prefill_hooks), not here"
+        )
+
+    @contextmanager
+    def prefill_hooks(self, model, budget: float, context_len: int, max_new_tokens: int) -> Iterator[None]:
+        kvpress = import_kvpress()
+        self._active = build_press(
+            self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens)
+        )
+        modules = attention_modules(model)
+        for module in modules:
+            module.masked_key_indices = None
+        if isinstance(self._active, kvpress.DecodingPress):  # never here: build_press refuses it
+            yield
+            return
+        attn_implementation = model.config._attn_implementation
+        try:
+            with self._active(model):
+                yield
+        finally:  # some presses switch the attention for a pass (KVComposePress): never leave it so
+            model.config._attn_implementation = attn_implementation
+        self._masked = any(getattr(m, "masked_key_indices", None) is not None for m in modules)
+
+    @contextmanager
+    def decoding_hooks(self, model, budget: float) -> Iterator[None]:
+        kvpress = import_kvpress()
+        try:
+            if isinstance(self._active, kvpress.PrefillDecodingPress):
+                with self._active(model):
+                    yield
+            else:
+                yield
+        finally:  # the masks belong to this run's cache: never let them reach the next one
+            for module in attention_modules(model):
+                module.masked_key_indices = None
+
+    def run_fields(self) -> dict[str, Any]:
+        return {"kv_masked": self._masked}
