@@ -59,18 +59,29 @@ class ModelConfig:
 
 @dataclass(frozen=True, eq=True)
 class MethodSpec:
-    """One compression method with its parameters, evaluated at one budget."""
+    """One compression method with its parameters, evaluated at one budget.
+
+    `variant` names this configuration of the method (by default the method's own name): a job may
+    hold several variants of one method, e.g. `centroidkv` and `csm_pre_rope`, sharing each prefill.
+    """
 
     name: str
     budget: float
     params: dict[str, Any] = field(default_factory=dict)
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.variant:
+            object.__setattr__(self, "variant", self.name)
 
     @property
     def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
+        return f"{self.variant}@{self.budget:g}"
 
     def __hash__(self) -> int:
-        return hash((self.name, self.budget, json.dumps(self.params, sort_keys=True, default=str)))
+        return hash(
+            (self.name, self.variant, self.budget, json.dumps(self.params, sort_keys=True, default=str))
+        )
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,47 @@ def _method_file_params(name: str) -> dict[str, Any]:
     return dict(data.get("params") or {})
 
 
+METHOD_ENTRY_KEYS = ("name", "variant", "params")
+
+
+def _method_entry(
+    entry: Any, method_raw: dict[str, Any], errors: list[str]
+) -> tuple[str, str, dict[str, Any]] | None:
+    """(method name, variant, parameters given) of one `methods` entry, or None after an error line.
+
+    An entry is a registered name, or a mapping {name, variant, params}. The parameters given are the
+    method's `configs/method/<name>.yaml`, then `method.params` when `method.name` is this method,
+    then the entry's own `params`; the method's dataclass supplies every other default.
+    """
+    from centroidkv import method_names
+
+    if isinstance(entry, dict):
+        unknown = sorted(set(entry) - set(METHOD_ENTRY_KEYS))
+        if unknown:
+            errors.append(
+                f"methods: unknown key(s) {', '.join(unknown)} in {entry}; an entry holds "
+                f"{', '.join(METHOD_ENTRY_KEYS)}"
+            )
+            return None
+        name, variant, own = entry.get("name"), entry.get("variant") or entry.get("name"), entry.get("params")
+    else:
+        name, variant, own = entry, entry, None
+    if name not in method_names():
+        errors.append(f"methods: unknown method {name!r}; registered: {', '.join(method_names())}")
+        return None
+    if not isinstance(variant, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", variant):
+        errors.append(f"methods: variant must be a plain name (letters, digits, _ . + -), got {variant!r}")
+        return None
+    if own is not None and not isinstance(own, dict):
+        errors.append(f"methods: params of {variant} must be a mapping, got {own!r}")
+        return None
+    params = _method_file_params(name)
+    if method_raw.get("name") == name:
+        params.update(method_raw.get("params") or {})
+    params.update(own or {})
+    return str(name), variant, params
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -155,7 +207,7 @@ def _as_list(value: Any) -> list:
 
 def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig."""
-    from centroidkv import get_method, method_names
+    from centroidkv import get_method
     from centroidkv.models import MODEL_NAMES
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
@@ -182,8 +234,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
 
     # --- methods x budgets ---
     method_raw = raw.get("method") or {}
-    known = method_names()
-    names = _as_list(raw.get("methods")) or [method_raw.get("name")]
+    entries = _as_list(raw.get("methods")) or [method_raw.get("name")]
     budgets_raw = _as_list(raw.get("budgets")) or _as_list(method_raw.get("budget"))
     if not budgets_raw:
         errors.append("budgets: at least one budget is needed (method.budget or budgets)")
@@ -191,24 +242,28 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     if len(set(budgets)) != len(budgets):
         errors.append(f"budgets: duplicates in {budgets_raw}")
     specs: list[MethodSpec] = []
-    if len(set(map(str, names))) != len(names):
-        errors.append(f"methods: duplicates in {names}")
-    for name in names:
-        if name not in known:
-            errors.append(f"methods: unknown method {name!r}; registered: {', '.join(known)}")
+    variants: list[str] = []
+    for entry in entries:
+        parsed = _method_entry(entry, method_raw, errors)
+        if parsed is None:
             continue
-        params = _method_file_params(name)
-        if method_raw.get("name") == name:
-            params.update(method_raw.get("params") or {})
+        name, variant, params = parsed
+        if variant in variants:
+            errors.append(
+                f"methods: {variant!r} appears twice; give each entry of one method its own `variant`"
+            )
+            continue
+        variants.append(variant)
         try:
             method = get_method(name, **params)
         except (ValueError, TypeError) as error:
-            errors.append(f"method {name}: {str(error).splitlines()[0]}")
+            errors.append(f"method {variant}: {str(error).splitlines()[0]}")
             continue
+        params = method.params()  # the full effective parameters, defaults included
         if not method.compresses:  # the full cache is one reference run, whatever the budgets
-            specs.append(MethodSpec(name, 1.0, params))
+            specs.append(MethodSpec(name, 1.0, params, variant))
             continue
-        specs.extend(MethodSpec(name, b, params) for b in budgets)
+        specs.extend(MethodSpec(name, b, params, variant) for b in budgets)
 
     # --- benchmark ---
     bench_raw = raw.get("benchmark") or {}

@@ -335,7 +335,12 @@ class Evaluator:
 
     @staticmethod
     def spec_fields(spec: MethodSpec) -> dict:
-        return {"method": spec.name, "params": dict(sorted(spec.params.items())), "budget": spec.budget}
+        return {
+            "method": spec.name,
+            "variant": spec.variant,
+            "params": dict(sorted(spec.params.items())),
+            "budget": spec.budget,
+        }
 
     def failed(self, base: dict, spec: MethodSpec, error: BaseException) -> dict:
         message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -373,10 +378,10 @@ class SetupError(RuntimeError):
 
 
 def summarize(records: list[dict]) -> dict[str, Any]:
-    """Mean score / TPOT / KV bytes per method@budget, plus counts."""
+    """Mean score / TPOT / KV bytes per variant@budget, plus counts."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
-        groups[f"{record['method']}@{record['budget']:g}"].append(record)
+        groups[f"{record.get('variant') or record['method']}@{record['budget']:g}"].append(record)
     summary: dict[str, Any] = {
         "n_records": len(records),
         "n_failed": sum(r["status"] != "ok" for r in records),

@@ -105,6 +105,69 @@ def test_methods_times_budgets_share_one_job(tmp_path):
     assert cfg.job_dir == tmp_path.resolve() / "default" / "job"
 
 
+VARIANTS = "methods=[full,centroidkv,{name:centroidkv,variant:centroidkv_r02,params:{r_init:0.2,r_min:0.05}}]"
+
+
+def test_method_variants_set_each_entry_s_parameters(tmp_path):
+    cfg, _ = run_cfg(tmp_path, [VARIANTS, "budgets=[0.25,0.5]", "method.params.chunk_size=64"])
+    assert [spec.label for spec in cfg.methods] == [
+        "full@1", "centroidkv@0.25", "centroidkv@0.5", "centroidkv_r02@0.25", "centroidkv_r02@0.5"
+    ]  # fmt: skip
+    by_variant = {spec.variant: spec for spec in cfg.methods}
+    assert by_variant["centroidkv_r02"].name == "centroidkv"
+    # defaults, then method.params (method.name is centroidkv), then the entry's own params
+    assert (
+        by_variant["centroidkv"].params["r_init"] == 0.5
+        and by_variant["centroidkv"].params["chunk_size"] == 64
+    )
+    assert by_variant["centroidkv_r02"].params == {
+        **by_variant["centroidkv"].params,
+        "r_init": 0.2,
+        "r_min": 0.05,
+    }
+
+
+@pytest.mark.parametrize(
+    "methods, fragment",
+    [
+        ("methods=[centroidkv,{name:centroidkv,params:{r_init:0.2}}]", "'centroidkv' appears twice"),
+        ("methods=[{name:centroidkv,variant:a,params:{r_init:7}}]", "method a: centroidkv: r_init"),
+        ("methods=[{name:centroidkv,variant:a,param:{r_init:0.2}}]", "unknown key(s) param"),
+        ("methods=[{name:nope,variant:a}]", "unknown method 'nope'"),
+        ("methods=[{name:centroidkv,variant:'a b'}]", "variant must be a plain name"),
+    ],
+)
+def test_bad_method_variant_gives_one_line(tmp_path, methods, fragment):
+    with pytest.raises(ConfigError) as error:
+        run_cfg(tmp_path, [methods])
+    assert len(error.value.lines) == 1 and fragment in error.value.lines[0], error.value.lines
+
+
+def test_method_variants_share_the_prefill_and_resume_by_variant(tmp_path):
+    from eval.runner import config_yaml_of, run_job
+
+    cfg, raw = run_cfg(tmp_path, [VARIANTS, "budgets=[0.5]", "benchmark.n_samples=2"])
+    run_job(cfg, config_yaml_of(cfg, raw))
+    records, _ = read_records(cfg.job_dir / "records.jsonl")
+    assert len(records) == 2 * 3 and all(r["status"] == "ok" for r in records)
+    assert {(r["method"], r["variant"], r["params"]["r_init"]) for r in records if r["method"] != "full"} == {
+        ("centroidkv", "centroidkv", 0.5),
+        ("centroidkv", "centroidkv_r02", 0.2),
+    }
+    first = [r for r in records if r["sample_id"] == records[0]["sample_id"]]
+    assert len({r["prefill_s"] for r in first}) == 1  # one prefill for the three variants
+    assert len({record_key(r) for r in records}) == 6
+    # Resuming finds every (sample, variant) done: dropping done.json reruns nothing.
+    (cfg.job_dir / "done.json").unlink()
+    run_job(cfg, config_yaml_of(cfg, raw))
+    assert len(cfg.job_dir.joinpath("records.jsonl").read_text().splitlines()) == 6
+
+
+def test_records_without_a_variant_keep_their_key():
+    old = {"benchmark": "toy", "task": "t", "sample_id": "0", "method": "snapkv", "params": {}, "budget": 0.5}
+    assert record_key(old) == record_key({**old, "variant": "snapkv"}) != record_key({**old, "variant": "x"})
+
+
 def test_cli_bad_value_exits_nonzero_and_writes_nothing(tmp_path):
     results = tmp_path / "results"
     out = subprocess.run(
@@ -300,8 +363,10 @@ def test_wandb_offline_run_has_the_job_metrics(tmp_path, monkeypatch):
     assert b"toy/centroidkv@0.5/score" in data  # per-record history
     table = json.loads(next((runs[0] / "files" / "media" / "table").glob("samples_*.table.json")).read_text())
     records, _ = read_records(cfg.job_dir / "records.jsonl")
-    assert [row[1] for row in table["data"]] == [r["sample_id"] for r in records]
-    assert [row[5] for row in table["data"]] == [r["score"] for r in records]
+    column = {name: i for i, name in enumerate(table["columns"])}
+    assert [row[column["sample_id"]] for row in table["data"]] == [r["sample_id"] for r in records]
+    assert [row[column["score"]] for row in table["data"]] == [r["score"] for r in records]
+    assert [row[column["variant"]] for row in table["data"]] == [r["variant"] for r in records]
 
 
 # ------------------------------------------------------------------------------------------ outputs
