@@ -132,12 +132,26 @@ def job_name_from_overrides(override_dirname: str) -> str:
     return name or "default"
 
 
-def _method_file_params(name: str) -> dict[str, Any]:
-    path = CONFIG_DIR / "method" / f"{name}.yaml"
-    if not path.exists():
-        return {}
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
-    return dict(data.get("params") or {})
+DEFAULT_BUDGET = (
+    0.5  # `method.budget` of every method's config: R, the cache ratio of (prompt + max new tokens)
+)
+
+
+def store_configs() -> None:
+    """Register Hydra's `method/<name>` options, built from the method registry.
+
+    Each registered method (built in, discovered under `baselines/`, or from an entry point) becomes
+    `method=<name>` with `params` = its dataclass defaults, the only place defaults live, and
+    `budget` = DEFAULT_BUDGET. Call before Hydra composes (scripts/run.py does at startup).
+    """
+    from hydra.core.config_store import ConfigStore
+
+    from centroidkv import get_method, method_names
+
+    store = ConfigStore.instance()
+    for name in method_names():
+        node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
+        store.store(group="method", name=name, node=node, provider="centroidkv")
 
 
 METHOD_ENTRY_KEYS = ("name", "variant", "params")
@@ -148,9 +162,9 @@ def _method_entry(
 ) -> tuple[str, str, dict[str, Any]] | None:
     """(method name, variant, parameters given) of one `methods` entry, or None after an error line.
 
-    An entry is a registered name, or a mapping {name, variant, params}. The parameters given are the
-    method's `configs/method/<name>.yaml`, then `method.params` when `method.name` is this method,
-    then the entry's own `params`; the method's dataclass supplies every other default.
+    An entry is a registered name, or a mapping {name, variant, params}. The parameters given are
+    `method.params` when `method.name` is this method, then the entry's own `params`; the method's
+    dataclass supplies every other default.
     """
     from centroidkv import method_names
 
@@ -174,9 +188,7 @@ def _method_entry(
     if own is not None and not isinstance(own, dict):
         errors.append(f"methods: params of {variant} must be a mapping, got {own!r}")
         return None
-    params = _method_file_params(name)
-    if method_raw.get("name") == name:
-        params.update(method_raw.get("params") or {})
+    params = dict(method_raw.get("params") or {}) if method_raw.get("name") == name else {}
     params.update(own or {})
     return str(name), variant, params
 

@@ -43,7 +43,7 @@ def measure_prefill_sharing(
     separate_s: what N independent runs would cost (N plain prefills + the same N parts).
     """
     from centroidkv import CompressedCache, load_model
-    from eval.config import MethodSpec, _method_file_params
+    from eval.config import MethodSpec
     from eval.runner import Evaluator, encode_prompt, load_samples, warm_up
 
     model, tokenizer = load_model(model_name)
@@ -51,7 +51,7 @@ def measure_prefill_sharing(
         from centroidkv.methods import method_names
 
         methods = tuple(method_names())
-    specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget, _method_file_params(m)) for m in methods)
+    specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget) for m in methods)
     try:
         from eval.config import BenchmarkConfig
 

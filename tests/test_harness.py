@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from eval.config import CONFIG_DIR, ConfigError, build_run_config
+from eval.config import CONFIG_DIR, ConfigError, build_run_config, store_configs
 from eval.records import JobStore, read_records, record_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,7 @@ TINY = ["model=tiny-llama", "benchmark=toy", "logger=none", "warmup=false"]
 
 
 def composed(overrides: list[str]):
+    store_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
@@ -81,15 +82,51 @@ def test_every_experiment_validates(experiment):
                                                  "kmeans", "cam"}  # fmt: skip
 
 
-def test_method_configs_mirror_the_registered_defaults():
-    from omegaconf import OmegaConf
-
+def test_method_configs_come_from_the_registry():
     from centroidkv import get_method, method_names
 
+    assert not (CONFIG_DIR / "method").exists()  # no YAML copy of any default
     for name in method_names():
-        config = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml"))
-        assert config["name"] == name
-        assert config["params"] == get_method(name).params(), f"configs/method/{name}.yaml is out of date"
+        cfg = composed([f"method={name}"])
+        assert cfg.method.name == name and cfg.method.params == get_method(name).params()
+
+
+def test_a_method_registered_later_needs_no_config_file(tmp_path):
+    """A method defined after startup (as baselines/ discovery or an entry point would) is usable as
+    `method=<name>` and inside `methods=[...]` with nothing else written."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from centroidkv.methods import REGISTRY, Method, register
+    from eval.runner import config_yaml_of, run_job
+
+    @dataclass
+    class KeepFirst(Method):
+        """Keeps the first `target_len` tokens of the mergeable segment (a test method)."""
+
+        name = "keep_first_test"
+        offset: int = 0
+
+        def compress(self, kv, target_len, stats):
+            index = torch.arange(self.offset, self.offset + target_len, device=kv.keys.device)
+            return kv.select(index.expand(*kv.keys.shape[:2], -1))
+
+    register(KeepFirst)
+    try:
+        cfg, _ = run_cfg(tmp_path, ["method=keep_first_test", "method.params.offset=3"])
+        assert [(s.name, s.params["offset"]) for s in cfg.methods] == [("keep_first_test", 3)]
+        cfg, raw = run_cfg(
+            tmp_path, ["methods=[full,keep_first_test]", "budgets=[0.5]", "benchmark.n_samples=1"]
+        )
+        assert [s.label for s in cfg.methods] == ["full@1", "keep_first_test@0.5"]
+        assert cfg.methods[1].params == KeepFirst().params()
+        run_job(cfg, config_yaml_of(cfg, raw))
+        records, _ = read_records(cfg.job_dir / "records.jsonl")
+        assert [(r["method"], r["status"]) for r in records] == [("full", "ok"), ("keep_first_test", "ok")]
+        assert records[1]["kv_bytes"] < records[0]["kv_bytes"]
+    finally:
+        del REGISTRY["keep_first_test"]
 
 
 def test_two_bad_values_give_two_lines(tmp_path):
