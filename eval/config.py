@@ -16,28 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from eval.longbench.constants import EN_DATASETS
+from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# RULER's 13 tasks (BENCHMARKS.md); the generator in eval.ruler is the authority when it is importable.
-RULER_TASKS = (
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-    "qa_1",
-    "qa_2",
-)
-LONGBENCH_DATASETS = EN_DATASETS
-BENCHMARKS = ("ruler", "longbench", "niah", "toy")
 LOGGERS = ("wandb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -85,20 +67,6 @@ class MethodSpec:
 
 
 @dataclass(frozen=True)
-class BenchmarkConfig:
-    name: str
-    tasks: tuple[str, ...]
-    lengths: tuple[int, ...]
-    n_samples: int
-    seed: int = 0
-    max_new_tokens: int | None = None  # cap on the per-task generation length
-    context_only: bool = False  # compress the context only, feed the question uncompressed
-    data_dir: str | None = None
-    depths: tuple[float, ...] = ()  # NIAH needle depths in percent
-    ignore_eos: bool = False  # decode exactly max_new_tokens (speed runs)
-
-
-@dataclass(frozen=True)
 class LoggerConfig:
     name: str
     project: str = "centroidkv"
@@ -112,7 +80,7 @@ class RunConfig:
     job_dir: Path
     model: ModelConfig
     methods: tuple[MethodSpec, ...]
-    benchmark: BenchmarkConfig
+    benchmark: Benchmark
     logger: LoggerConfig
     retry_failed: bool = False
     warmup: bool = True
@@ -138,11 +106,12 @@ DEFAULT_BUDGET = (
 
 
 def store_configs() -> None:
-    """Register Hydra's `method/<name>` options, built from the method registry.
+    """Register Hydra's `method/<name>` and `benchmark/<name>` options, built from the registries.
 
     Each registered method (built in, discovered under `baselines/`, or from an entry point) becomes
     `method=<name>` with `params` = its dataclass defaults, the only place defaults live, and
-    `budget` = DEFAULT_BUDGET. Call before Hydra composes (scripts/run.py does at startup).
+    `budget` = DEFAULT_BUDGET; each benchmark of `eval.benchmarks` becomes `benchmark=<name>` with its
+    dataclass defaults. Call before Hydra composes (scripts/run.py does at startup).
     """
     from hydra.core.config_store import ConfigStore
 
@@ -152,6 +121,9 @@ def store_configs() -> None:
     for name in method_names():
         node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
         store.store(group="method", name=name, node=node, provider="centroidkv")
+    for name in benchmark_names():
+        node = build_benchmark({"name": name})[0].params()
+        store.store(group="benchmark", name=name, node=node, provider="centroidkv")
 
 
 METHOD_ENTRY_KEYS = ("name", "variant", "params")
@@ -191,10 +163,6 @@ def _method_entry(
     params = dict(method_raw.get("params") or {}) if method_raw.get("name") == name else {}
     params.update(own or {})
     return str(name), variant, params
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_budget(value: Any, where: str, errors: list[str]) -> float | None:
@@ -278,64 +246,8 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         specs.extend(MethodSpec(name, b, params, variant) for b in budgets)
 
     # --- benchmark ---
-    bench_raw = raw.get("benchmark") or {}
-    bench_name = bench_raw.get("name")
-    if bench_name not in BENCHMARKS:
-        errors.append(
-            f"benchmark.name: unknown benchmark {bench_name!r}; choose one of {', '.join(BENCHMARKS)}"
-        )
-    tasks = _as_list(bench_raw.get("tasks"))
-    if bench_name == "ruler":
-        valid_tasks = _ruler_tasks()
-        for task in tasks:
-            if task not in valid_tasks:
-                errors.append(
-                    f"benchmark.tasks: unknown RULER task {task!r}; choose from {', '.join(valid_tasks)}"
-                )
-    elif bench_name == "longbench":
-        for task in tasks:
-            if task.removesuffix("_e") not in LONGBENCH_DATASETS:
-                errors.append(
-                    f"benchmark.tasks: unknown LongBench dataset {task!r}; choose from {', '.join(LONGBENCH_DATASETS)}"
-                )
-    if not tasks and bench_name in ("ruler", "longbench", "toy"):
-        errors.append("benchmark.tasks: at least one task is needed")
-    lengths = _as_list(bench_raw.get("lengths"))
-    for length in lengths:
-        if not _is_int(length) or length < 16:
-            errors.append(f"benchmark.lengths: each length must be an integer >= 16 tokens, got {length!r}")
-    if not lengths and bench_name != "longbench":
-        errors.append("benchmark.lengths: at least one context length is needed")
-    n_samples = bench_raw.get("n_samples")
-    if not _is_int(n_samples) or n_samples < 1:
-        errors.append(f"benchmark.n_samples: must be an integer >= 1, got {n_samples!r}")
-    seed = bench_raw.get("seed", 0)
-    if not _is_int(seed) or seed < 0:
-        errors.append(f"benchmark.seed: must be an integer >= 0, got {seed!r}")
-    cap = bench_raw.get("max_new_tokens")
-    if cap is not None and (not _is_int(cap) or cap < 1):
-        errors.append(f"benchmark.max_new_tokens: must be an integer >= 1 or null, got {cap!r}")
-    depths = _as_list(bench_raw.get("depths"))
-    for depth in depths:
-        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 100:
-            errors.append(f"benchmark.depths: each depth must be a percentage in [0, 100], got {depth!r}")
-    if bench_name == "niah" and not depths:
-        errors.append("benchmark.depths: NIAH needs at least one needle depth")
-    for key in ("context_only", "ignore_eos"):
-        if not isinstance(bench_raw.get(key, False), bool):
-            errors.append(f"benchmark.{key}: must be true or false, got {bench_raw.get(key)!r}")
-    benchmark = BenchmarkConfig(
-        name=str(bench_name),
-        tasks=tuple(map(str, tasks)),
-        lengths=tuple(lengths),
-        n_samples=n_samples if _is_int(n_samples) else 0,
-        seed=seed if _is_int(seed) else 0,
-        max_new_tokens=cap,
-        context_only=bool(bench_raw.get("context_only", False)),
-        ignore_eos=bool(bench_raw.get("ignore_eos", False)),
-        data_dir=bench_raw.get("data_dir"),
-        depths=tuple(float(d) for d in depths if isinstance(d, (int, float))),
-    )
+    benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
+    errors.extend(benchmark_errors)
 
     # --- logger, run ---
     logger_raw = raw.get("logger") or {"name": "none"}
@@ -367,13 +279,3 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         retry_failed=bool(raw.get("retry_failed", False)),
         warmup=bool(raw.get("warmup", True)),
     )
-
-
-def _ruler_tasks() -> tuple[str, ...]:
-    try:
-        from eval import ruler
-
-        tasks = getattr(ruler, "TASKS", None)
-        return tuple(tasks) if tasks else RULER_TASKS
-    except ImportError:
-        return RULER_TASKS

@@ -244,16 +244,17 @@ def test_job_records_and_skip_when_finished(tmp_path):
 
 
 def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
+    import eval.evaluate
     import eval.runner as runner
 
-    real = runner.encode_prompt
+    real = eval.evaluate.encode_prompt
 
     def flaky(sample, tokenizer, context_only):
         if sample["index"] == 1:
             raise RuntimeError("bad data in sample 1")
         return real(sample, tokenizer, context_only)
 
-    monkeypatch.setattr(runner, "encode_prompt", flaky)
+    monkeypatch.setattr(eval.evaluate, "encode_prompt", flaky)
     # centroidkv at 0.1 cannot hold its 80 protected tokens in a ~300-token prompt: fails at compression.
     cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.1,0.5]", "benchmark.n_samples=3"])
     summary = runner.run_job(cfg, runner.config_yaml_of(cfg, raw))
