@@ -271,18 +271,63 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
     assert JobStore(cfg.job_dir).finished
 
 
-def test_context_only_protocol(tmp_path):
+def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
+    """The context is compressed, then the question is appended to the cache as it is: one entry of
+    degree 1 per token, and (layer 0, whose keys depend on the token and position only) the same keys
+    as in a full-cache run of the whole prompt. compress_interval=1 would re-compress at the first
+    token over the budget if the feed were not paused; max_new_tokens=1 leaves the cache as the feed
+    made it."""
+    import torch
+
+    import eval.evaluate
+    from centroidkv.cache import CompressedCache
+    from centroidkv.decoding import prefill
     from eval.runner import config_yaml_of, run_job
 
-    cfg, raw = run_cfg(
-        tmp_path, ["method.budget=0.5", "benchmark.n_samples=1", "benchmark.context_only=true"]
+    seen: dict[str, list] = {"prefill": [], "question": [], "fork": []}
+    real_prefill, real_generate, real_fork = (
+        eval.evaluate.prefill,
+        eval.evaluate.generate_from,
+        CompressedCache.fork,
     )
+
+    def spy_prefill(model, input_ids, *args, **kwargs):
+        seen["prefill"].append((model, input_ids))
+        return real_prefill(model, input_ids, *args, **kwargs)
+
+    def spy_generate(*args, question_ids=None, **kwargs):
+        seen["question"].append(question_ids)
+        return real_generate(*args, question_ids=question_ids, **kwargs)
+
+    def spy_fork(self, *args, **kwargs):
+        twin = real_fork(self, *args, **kwargs)
+        seen["fork"].append((twin, twin.seq_lengths()))
+        return twin
+
+    monkeypatch.setattr(eval.evaluate, "prefill", spy_prefill)
+    monkeypatch.setattr(eval.evaluate, "generate_from", spy_generate)
+    monkeypatch.setattr(CompressedCache, "fork", spy_fork)
+    overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
+                 "benchmark.context_only=true", "benchmark.max_new_tokens=1"]  # fmt: skip
+    cfg, raw = run_cfg(tmp_path, overrides)
     run_job(cfg, config_yaml_of(cfg, raw))
     (record,) = read_records(cfg.job_dir / "records.jsonl")[0]
-    assert record["status"] == "ok" and record["protocol"] == "context_only"
-    # The question is fed after compression: TTFT includes it, and it is not in the compressed cache.
-    assert record["ttft"] > record["prefill_s"] + record["compress_s"]
-    assert record["kv_len"] > 0
+    assert record["status"] == "ok" and record["protocol"] == "context_only" and record["n_generated"] == 1
+    ((model, context_ids),), (question_ids,), ((cache, compressed),) = (
+        seen["prefill"],
+        seen["question"],
+        seen["fork"],
+    )
+    n_context, n_question = context_ids.shape[1], question_ids.shape[1]
+    assert n_question > 0 and record["context_length"] == n_context + n_question
+    full = prefill(model, torch.cat([context_ids, question_ids], dim=1), 1).cache
+    for layer, n_compressed in zip(cache.layers, compressed, strict=True):
+        assert n_compressed < n_context and layer.length == n_compressed + n_question
+        degrees = layer.log_degree
+        assert (degrees[..., :n_compressed] > 0).any()  # the context was merged ...
+        assert (degrees[..., n_compressed:] == 0).all()  # ... the question was not: degree 1 each
+    question_keys = cache.layers[0].keys[:, :, -n_question:]
+    torch.testing.assert_close(question_keys, full.layers[0].keys[:, :, n_context:])
 
 
 def test_torn_and_duplicate_lines_are_cleaned(tmp_path):
