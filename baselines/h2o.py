@@ -36,6 +36,7 @@ from centroidkv.methods import LayerKV, LayerStats, Method, check_float, registe
 @dataclass
 class H2O(Method):
     name = "h2o"
+    label = "H2O"
     accumulates_attention = True
 
     n_sink: int = 0

@@ -28,6 +28,7 @@ from centroidkv.schedule import LinearSchedule
 @dataclass
 class CentroidKV(Method):
     name = "centroidkv"
+    label = "CentroidKV"
     merges = True
 
     chunk_size: int = 256
