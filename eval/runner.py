@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from centroidkv.decoding import Prefill, default_eos, generate_from, prefill
+from centroidkv.decoding import Prefill, default_eos, generate_from, needs_of, prefill
 from eval.config import MethodSpec, RunConfig
 from eval.records import JobStore, environment, record_key
 from eval.timing import peak_memory, reset_peak_memory
@@ -233,13 +233,7 @@ class Evaluator:
     def prefill(self, head: list[int], max_new_tokens: int, specs: list[MethodSpec]) -> Prefill:
         """The sample's shared prefill, recording what every method of `specs` needs."""
         methods = [self.methods[s] for s in specs]
-        return prefill(
-            self.model,
-            self.ids(head),
-            max_new_tokens,
-            record_queries=max(m.query_window for m in methods),
-            record_attention=any(m.accumulates_attention for m in methods),
-        )
+        return prefill(self.model, self.ids(head), max_new_tokens, needs=needs_of(methods))
 
     def decode(
         self,
@@ -276,6 +270,7 @@ class Evaluator:
             n_decode_steps=result.n_decode_steps,
             kv_bytes=result.kv_bytes_compressed,
             kv_bytes_final=result.kv_bytes,
+            kv_ratio=result.kv_ratio,
             kv_len=max(result.seq_lengths, default=0),
             n_compressions=result.n_compressions,
             peak_mem=peak,
