@@ -389,15 +389,22 @@ class CompressedCache(Cache):
             if layer.needs_compression():
                 layer.compress()
 
-    def fork(self, method: Method | str, budget: float, max_new_tokens: int | None = None) -> CompressedCache:
+    def fork(
+        self,
+        method: Method | str,
+        budget: float,
+        max_new_tokens: int | None = None,
+        needs: Iterable[Need] = (),
+    ) -> CompressedCache:
         """A new cache over the same entries with another method or budget, already compressed.
 
         This is how one prefill serves many (method, budget) runs: tensors are shared, never copied,
         because compression and decoding replace tensors instead of writing into them. The source
-        cache must have recorded what the new method needs (`CompressedCache(needs=...)`).
+        cache must have recorded what the new method needs, and `needs` (records to carry along,
+        e.g. for a diagnostic).
         """
         twin = CompressedCache(
-            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens
+            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens, needs
         )
         twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
         twin.layers = [layer.fork(twin) for layer in self.layers]

@@ -202,6 +202,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
             params.update(method_raw.get("params") or {})
         try:
             method = get_method(name, **params)
+            method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
             errors.append(f"method {name}: {str(error).splitlines()[0]}")
             continue
