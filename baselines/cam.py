@@ -44,6 +44,7 @@ from centroidkv.methods import LayerKV, LayerStats, _check_int, register
 @dataclass
 class CaM(H2O):
     name = "cam"
+    label = "CaM"
 
     merge_budget: int = 32
     seed: int = 0

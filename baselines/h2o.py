@@ -37,6 +37,7 @@ from centroidkv.needs import ATTENTION_SUM
 @dataclass
 class H2O(Method):
     name = "h2o"
+    label = "H2O"
 
     n_sink: int = 0
     recent_ratio: float = 0.5

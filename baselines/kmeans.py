@@ -163,6 +163,7 @@ def kmeans_compress(
 @dataclass
 class KMeans(Method):
     name = "kmeans"
+    label = "K-Means"
     merges = True
 
     iterations: int = 10

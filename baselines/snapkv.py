@@ -78,6 +78,7 @@ def window_scores(stats: LayerStats, kernel_size: int, pooling: str) -> Tensor:
 @dataclass
 class SnapKV(Method):
     name = "snapkv"
+    label = "SnapKV"
 
     n_sink: int = 0
     n_recent: int = 32

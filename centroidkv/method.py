@@ -66,6 +66,7 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
 @dataclass
 class CentroidKV(Method):
     name = "centroidkv"
+    label = "CentroidKV"
     merges = True
 
     chunk_size: int = 256

@@ -212,16 +212,22 @@ def test_attention_with_unit_degrees_equals_sdpa_and_duplicates_are_exact(q_len)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_model_stays_finite_with_degrees_up_to_1e5(tiny_model, dtype):
     model = copy.deepcopy(tiny_model).to(dtype)
-    cache = CompressedCache(get_method("centroidkv", chunk_size=32), budget=0.3, max_new_tokens=10)
+    method = get_method("centroidkv", chunk_size=32, compress_interval=1)
+    cache = CompressedCache(method, budget=0.3, max_new_tokens=10)
     model(prompt(300), past_key_values=cache)
     for layer in cache.layers:
         layer.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
     logits = model(torch.tensor([[5]]), past_key_values=cache).logits
     assert torch.isfinite(logits).all()
+    # A smaller budget puts every layer over it: compress_now must merge at these degrees.
+    mass_before = [layer.log_degree.double().exp().sum(-1) for layer in cache.layers]
+    lengths_before = cache.seq_lengths()
+    cache.budget = 0.27
     cache.compress_now()
-    for layer in cache.layers:
-        layer.compress()  # force a merge at these degrees
+    for layer, length, mass in zip(cache.layers, lengths_before, mass_before, strict=True):
+        assert layer.length == layer.budget_len < length
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+        torch.testing.assert_close(layer.log_degree.double().exp().sum(-1), mass, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize(
