@@ -236,6 +236,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         variants.append(variant)
         try:
             method = get_method(name, **params)
+            method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
             errors.append(f"method {variant}: {str(error).splitlines()[0]}")
             continue
