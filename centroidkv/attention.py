@@ -20,6 +20,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from centroidkv.cache import CompressedCache, causal_allowed
+from centroidkv.flex import fused_attention
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -95,6 +96,8 @@ def _group_attention(
             raise NotImplementedError("accumulating attention needs dropout 0 (inference)")
         output, received = attention_with_received(query, key, value, log_degree, scale)
         return output.transpose(1, 2).contiguous(), received
+    if (fused := fused_attention(query, key, value, log_degree, scale, dropout)) is not None:
+        return fused, None  # FlexAttention / flash-attn on CUDA (centroidkv.flex)
     if log_degree is None and (q_len == 1 or q_len == kv_len):
         # All degrees 1 and no offset between queries and keys: SDPA's own causal / GQA path.
         output = F.scaled_dot_product_attention(
@@ -194,13 +197,15 @@ def no_padding_mask(*, attention_mask: Tensor | None = None, **kwargs) -> None:
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, degree_attention)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_padding_mask)
 
 
 def _bind_cache_layer(
     module: nn.Module, args: tuple, kwargs: dict, model_ref: weakref.ref, rotary: nn.Module | None
 ) -> None:
-    cache = kwargs.get("past_key_values")
+    # transformers 5.2 passes the cache as `past_key_values`; later versions may name it differently.
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if isinstance(cache, CompressedCache) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         cache.n_layers = module.config.num_hidden_layers
         cache.rotary, cache.model_ref = rotary, model_ref
