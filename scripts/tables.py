@@ -58,7 +58,10 @@ def load(paths: list[Path]) -> pd.DataFrame:
     df["params"] = df["params"].map(lambda p: p if isinstance(p, dict) else {})
     df["params_json"] = df["params"].map(lambda p: json.dumps(p, sort_keys=True))
     variant = df["variant"] if "variant" in df else pd.Series(None, index=df.index, dtype=object)
-    has_variant = variant.notna() & (variant.astype(str) != "")
+    # The runner names every record's variant; one named like its method is the method itself.
+    has_variant = (
+        variant.notna() & (variant.astype(str) != "") & (variant.astype(str) != df["method"].astype(str))
+    )
     df["entry"] = variant.where(has_variant, df["method"]).astype(str)
     df["label"] = [
         str(v) if named else method_label(m, p)
