@@ -44,12 +44,19 @@ RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,repr
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables ablate
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/$(RULER_EXPERIMENT)
 	$(PYTHON) scripts/figures.py results/$(RULER_EXPERIMENT)
+
+# kvpress's presses next to CentroidKV and the native baselines (configs/experiment/kvpress_zoo.yaml).
+zoo: $(STAMP)
+	$(PYTHON) -c "from baselines.kvpress_press import main; main(['skips'])"
+	$(PYTHON) scripts/run.py experiment=kvpress_zoo $(ARGS)
+	$(PYTHON) scripts/tables.py results/kvpress_zoo
+	$(PYTHON) scripts/figures.py results/kvpress_zoo
 
 # LongBench from the hub, or LONGBENCH_DIR=<folder of LongBench jsonl files>; the paper used MODEL=llama3.1-8b.
 reproduce-longbench: $(STAMP)

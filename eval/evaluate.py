@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from centroidkv import get_method
-from centroidkv.decoding import Prefill, default_eos, generate_from, needs_of, prefill
+from centroidkv.decoding import Generation, Prefill, default_eos, generate_from, needs_of, prefill
 from eval.benchmarks import Benchmark, Sample
 from eval.config import MethodSpec
 from eval.samples import encode_prompt, sample_id
@@ -68,6 +68,32 @@ class Evaluator:
             eos_token_ids=eos,
             question_ids=self.ids(tail) if tail else None,
         )
+        return self.measurements(prefilled, result, eos)
+
+    def decode_own_prefill(
+        self, spec: MethodSpec, head: list[int], tail: list[int], max_new_tokens: int, eos: set[int]
+    ) -> dict:
+        """A method that compresses inside its own prefill (kvpress's presses): prefill the context
+        with its hooks (compression happens in that forward, so it is part of prefill_s), then feed
+        the question and decode on the already compressed cache (no fork, no further compression)."""
+        method = self.methods[spec]
+        with method.prefill_hooks(self.model, spec.budget, len(head), max_new_tokens):
+            prefilled = prefill(self.model, self.ids(head), max_new_tokens)
+        reset_peak_memory(self.device)  # as for forks: the peak of decoding, not of the prefill
+        with method.decoding_hooks(self.model, spec.budget):
+            result = generate_from(
+                self.model,
+                prefilled,
+                "full",
+                1.0,
+                max_new_tokens,
+                eos_token_ids=eos,
+                question_ids=self.ids(tail) if tail else None,
+            )
+        return {**self.measurements(prefilled, result, eos), **method.run_fields()}
+
+    def measurements(self, prefilled: Prefill, result: Generation, eos: set[int]) -> dict:
+        """The record's measurement fields of one decode."""
         generated = result.tokens[0]
         if generated and generated[-1] in eos:  # the prediction is the text before the end token
             generated = generated[:-1]
@@ -104,10 +130,13 @@ class Evaluator:
         max_new = int(sample.get("max_new_tokens") or 32)
         if cap:
             max_new = min(max_new, cap)
+        # Methods that compress inside their own prefill always run context-only (kvpress's protocol).
+        shared = [s for s in specs if not self.methods[s].compresses_in_prefill]
         try:
             head, tail = encode_prompt(sample, self.tokenizer, self.context_only)
             base["context_length"] = len(head) + len(tail)
-            prefilled = self.prefill(head, max_new, specs)
+            own_head, own_tail = encode_prompt(sample, self.tokenizer, True)
+            prefilled = self.prefill(head, max_new, shared) if shared else None
         except Exception as error:  # the sample is recorded as failed for every method, the job goes on
             _free_memory(self.device)
             for spec in specs:
@@ -115,15 +144,20 @@ class Evaluator:
             return
         eos = set() if ignore_eos else self.eos
         for spec in specs:
+            own_prefill = self.methods[spec].compresses_in_prefill
+            record_base = {**base, "protocol": "context_only"} if own_prefill else base
             try:
-                result = self.decode(prefilled, spec, tail, max_new, eos)
+                if own_prefill:
+                    result = self.decode_own_prefill(spec, own_head, own_tail, max_new, eos)
+                else:
+                    result = self.decode(prefilled, spec, tail, max_new, eos)
             except Exception as error:
                 _free_memory(self.device)
-                yield self.failed(base, spec, error)
+                yield self.failed(record_base, spec, error)
                 continue
             generated = result.pop("generated")
             prediction = self.tokenizer.decode(generated, skip_special_tokens=True)
-            record = {**base, **self.spec_fields(spec), "status": "ok", "prediction": prediction}
+            record = {**record_base, **self.spec_fields(spec), "status": "ok", "prediction": prediction}
             record["score"] = self.benchmark.score(sample, prediction)
             record["n_generated"] = len(generated)
             record.update(result)
@@ -172,9 +206,14 @@ def warm_up(evaluator: Evaluator) -> None:
     """One short untimed prefill + decode per method, so one-time costs stay out of the timings."""
     head = list(range(10, 10 + 200))
     specs = list(evaluator.specs)
-    prefilled = evaluator.prefill(head, 4, specs)
-    for spec in specs:
+    shared = [s for s in specs if not evaluator.methods[s].compresses_in_prefill]
+    prefilled = evaluator.prefill(head, 4, shared) if shared else None
+    own = {s.variant: s for s in specs if s not in shared}  # one own-prefill warm-up per variant
+    for spec in shared + list(own.values()):
         try:
-            evaluator.decode(prefilled, spec, [], 4)
+            if spec in shared:
+                evaluator.decode(prefilled, spec, [], 4)
+            else:
+                evaluator.decode_own_prefill(spec, head, [], 4, evaluator.eos)
         except Exception:  # a method that cannot run on a 200-token prompt will fail (and be recorded) later
             pass

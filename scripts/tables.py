@@ -49,7 +49,9 @@ def load(paths: list[Path]) -> pd.DataFrame:
     Rows are grouped by `entry`: the record's `variant` when it has one (a named parameter set of a
     method in a multi-method job), its `method` otherwise. A variant is shown by its name; a method
     by its class's label (`Method.label`). A method run with several parameter sets and no variant
-    names (a Hydra sweep) gets the differing parameters appended to its label. Rows are ordered
+    names (a Hydra sweep) gets the differing parameters appended to its label. Rows of a method
+    that masks entries instead of removing them (record `kv_masked`, kvpress's AdaKV-style presses)
+    get " [masked]": their KV memory is the full cache's. Rows are ordered
     as the records first name them (the order of the experiment's `methods`), the full cache first.
     """
     df = pd.DataFrame(list(iter_records(paths)))
@@ -77,6 +79,10 @@ def load(paths: list[Path]) -> pd.DataFrame:
             suffix = ", ".join(f"{k}={params.get(k)}" for k in differing)
             mask = group.index[group["params_json"] == param_set]
             df.loc[mask, "label"] = f"{df.loc[mask[0], 'label']} ({suffix})"
+    if "kv_masked" in df:  # head-wise masking presses keep full-size tensors: no memory saved
+        masked = df["kv_masked"].map(lambda m: m is True)
+        for label in df.loc[masked, "label"].unique():
+            df.loc[df["label"] == label, "label"] = f"{label} [masked]"
     df["ok"] = df["status"] == "ok"
     first_seen = {entry: rank for rank, entry in enumerate(dict.fromkeys(df["entry"]))}
     df["method_rank"] = [
