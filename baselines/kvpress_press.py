@@ -4,12 +4,12 @@ Library: kvpress (github.com/NVIDIA/kvpress, version 0.5.5), a collection of KV-
 methods ("presses"). Paper: each press cites its own in its kvpress docstring (e.g. SnapKVPress:
 Li et al., arXiv 2404.14469). Install with `pip install -e ".[kvpress]"`.
 
-How it runs (docs/benchmarks.md, "kvpress presses"):
+How it runs:
 - A press compresses inside the prefill forward, through its own forward hooks on the attention
   layers, on this harness's model (our attention runs under kvpress's attention wrapper) and on this
-  harness's `CompressedCache`. So a press cannot fork the runner's shared prefill: it gets its own
-  prefill per (sample, budget) (`compresses_in_prefill`), and its compression time is part of
-  `prefill_s`.
+  harness's `CompressedCache`. So prefill sharing does not apply: a press gets its own prefill per
+  (sample, budget) (`compresses_in_prefill`; native methods of the same job still share theirs),
+  and its compression time is part of `prefill_s` (its `compress_s` is 0).
 - Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
   is fed and the answer decoded on the compressed cache. Records of a press always say
   `protocol: context_only`.
