@@ -97,17 +97,24 @@ def prompts(model, tokenizer, batch: int, length: int) -> torch.Tensor:
     return torch.stack([long[row : row + length] for row in range(batch)]).to(device)
 
 
-@torch.inference_mode()
-def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens: int) -> tuple[int, float, float]:
-    """Prefill `ids` with a (method, budget) cache and decode greedily.
+@dataclass
+class Decoded:
+    peak_bytes: int  # KV bytes, the prefill's transient layer included
+    tokens_per_s: float  # batch / TPOT
+    tpot_s: float  # mean decode step, the first (warm-up) excluded
+    prefill_s: float  # prefill forward, compression included
 
-    Returns (peak KV bytes, decode tokens/s, TPOT s); the peak counts the prefill's transient layer.
-    """
+
+@torch.inference_mode()
+def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens: int) -> Decoded:
+    """Prefill `ids` with a (method, budget) cache (compressing layer by layer) and decode greedily."""
     from centroidkv import CompressedCache
     from centroidkv.decoding import Timer
 
     cache = CompressedCache(method, budget, max_new_tokens=new_tokens)
-    logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+    timer = Timer(ids.device)
+    with timer.span() as prefill:
+        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
     compressed = [layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers]
     degrees = [0 if layer.log_degree is None else layer.log_degree.numel() * 4 for layer in cache.layers]
     whole_layer = ids.numel() * model.config.num_key_value_heads * 2 * cache.layers[0].keys.shape[-1]
@@ -116,7 +123,7 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
     prefill_peak = max(sum(compressed[:i]) + sum(degrees[:i]) + whole_layer for i in range(len(compressed)))
     peak = max(cache.kv_bytes(), prefill_peak)
     token = logits[:, -1].argmax(-1, keepdim=True)
-    timer, times = Timer(ids.device), []
+    times = []
     for _ in range(new_tokens - 1):
         with timer.span() as step:
             token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
@@ -124,7 +131,7 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
         peak = max(peak, cache.kv_bytes())
     timed = times[1:]
     tpot = sum(timed) / len(timed)
-    return peak, ids.shape[0] / tpot, tpot
+    return Decoded(peak, ids.shape[0] / tpot, tpot, prefill.seconds)
 
 
 def throughput_table(args: argparse.Namespace, model=None, tokenizer=None) -> list[Run]:
@@ -136,16 +143,15 @@ def throughput_table(args: argparse.Namespace, model=None, tokenizer=None) -> li
     runs = [Run(name, budget) for name, budget in args.runs]
     one = prompts(model, tokenizer, 1, args.length)
     for run in tqdm(runs, desc="peak KV per sequence", unit="method"):
-        run.peak_bytes_per_seq, _, _ = decode_run(model, one, run.method, run.budget, args.new_tokens)
+        run.peak_bytes_per_seq = decode_run(model, one, run.method, run.budget, args.new_tokens).peak_bytes
     cap = args.cap_mib * 2**20 if args.cap_mib else args.full_batch * runs[0].peak_bytes_per_seq
     for run in tqdm(runs, desc="decode at the largest batch", unit="method"):
         run.batch = min(args.max_batch, int(cap // run.peak_bytes_per_seq))
         if run.batch == 0:
             continue
         ids = prompts(model, tokenizer, run.batch, args.length)
-        run.peak_bytes, run.tokens_per_s, run.tpot_s = decode_run(
-            model, ids, run.method, run.budget, args.new_tokens
-        )
+        decoded = decode_run(model, ids, run.method, run.budget, args.new_tokens)
+        run.peak_bytes, run.tokens_per_s, run.tpot_s = decoded.peak_bytes, decoded.tokens_per_s, decoded.tpot_s
         if run.peak_bytes > cap:
             raise RuntimeError(f"{run.method}: batch {run.batch} used {run.peak_bytes} KV bytes > cap {cap:.0f}")
     device = next(model.parameters()).device

@@ -1,5 +1,6 @@
 """The throughput benchmark and the GPU check script, at tiny sizes on CPU."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,21 @@ def test_throughput_bad_input_exits_2():
         with pytest.raises(SystemExit) as exit_info:
             bench_throughput.parse_args(argv)
         assert exit_info.value.code == 2
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """scripts/gpu_check.sh --dry-run: every section of the GPU check at tiny sizes on the CPU."""
+    completed = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for heading in ("## TPOT and peak memory", "## Compression time per call", "## Fused attention", "## Throughput"):
+        assert heading in summary
+    assert "sections failed: none" in summary
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(error < 1e-4 for error in (k["error"] for k in results["fused_attention"]["kernels"]))
+    assert (tmp_path / "log.txt").exists()
