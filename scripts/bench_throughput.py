@@ -52,13 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens per sequence")
     parser.add_argument("--new-tokens", type=int, default=80, help="decoded tokens per sequence (Gamma)")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="method:budget pairs")
-    parser.add_argument("--full-batch", type=int, default=4, help="cap = the full cache of this many sequences")
+    parser.add_argument(
+        "--full-batch", type=int, default=4, help="cap = the full cache of this many sequences"
+    )
     parser.add_argument("--cap-mib", type=float, default=None, help="KV cap in MiB (overrides --full-batch)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument(
-        "--threads", type=int, default=1, help="CPU threads (on a shared CPU, 2 spinning threads can be 20x slower)"
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (on a shared CPU, 2 spinning threads can be 20x slower)",
     )
     args = parser.parse_args(argv)
     try:  # validate everything before a model loads
@@ -126,7 +131,9 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
     times = []
     for _ in range(new_tokens - 1):
         with timer.span() as step:
-            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            token = (
+                model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            )
         times.append(step.seconds)
         peak = max(peak, cache.kv_bytes())
     timed = times[1:]
@@ -151,16 +158,24 @@ def throughput_table(args: argparse.Namespace, model=None, tokenizer=None) -> li
             continue
         ids = prompts(model, tokenizer, run.batch, args.length)
         decoded = decode_run(model, ids, run.method, run.budget, args.new_tokens)
-        run.peak_bytes, run.tokens_per_s, run.tpot_s = decoded.peak_bytes, decoded.tokens_per_s, decoded.tpot_s
+        run.peak_bytes, run.tokens_per_s, run.tpot_s = (
+            decoded.peak_bytes,
+            decoded.tokens_per_s,
+            decoded.tpot_s,
+        )
         if run.peak_bytes > cap:
-            raise RuntimeError(f"{run.method}: batch {run.batch} used {run.peak_bytes} KV bytes > cap {cap:.0f}")
+            raise RuntimeError(
+                f"{run.method}: batch {run.batch} used {run.peak_bytes} KV bytes > cap {cap:.0f}"
+            )
     device = next(model.parameters()).device
     print(
         f"\n## Throughput under a KV cap of {cap / 2**20:.1f} MiB: {args.model} on {device} "
         f"({model.dtype}), prompts of {args.length} tokens, {args.new_tokens} new tokens, "
         f"{torch.get_num_threads()} threads\n"
     )
-    print("| method | budget | peak KV / seq MiB | batch | peak KV at batch MiB | TPOT ms | decode tok/s | vs full |")
+    print(
+        "| method | budget | peak KV / seq MiB | batch | peak KV at batch MiB | TPOT ms | decode tok/s | vs full |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     full = runs[0].tokens_per_s
     for run in runs:

@@ -33,14 +33,21 @@ PAPER_MEMORY_64K_GB = (31.83, 18.36)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args(argv)
     if args.dry_run:
         torch.set_num_threads(1)  # small tensors on a possibly shared CPU
         args.model, args.device, args.dtype = "tiny-llama", "cpu", torch.float32
-        args.lengths, args.new_tokens, args.compress_lengths, args.kmeans_length = [512, 1024], 6, [1024], 1024
+        args.lengths, args.new_tokens, args.compress_lengths, args.kmeans_length = (
+            [512, 1024],
+            6,
+            [1024],
+            1024,
+        )
         args.throughput = ["--length", "512", "--new-tokens", "4", "--full-batch", "2"]
         args.flex_shapes = [(16, 256), (1, 300)]  # uncompiled on a CPU (tests/test_flex.py compiles it)
     else:
@@ -133,7 +140,9 @@ def tpot_and_memory(report: Report, args, model) -> dict:
         full, ours = by[length, "full"], by[length, "centroidkv"]
         paper = PAPER_TPOT_S.get(length)
         paper_speedup = f"{paper[0] / paper[1]:.2f}x" if paper else "n/a"
-        report.add(f"- {length}: TPOT speed-up {full['tpot_s'] / ours['tpot_s']:.2f}x (paper {paper_speedup})")
+        report.add(
+            f"- {length}: TPOT speed-up {full['tpot_s'] / ours['tpot_s']:.2f}x (paper {paper_speedup})"
+        )
     longest = args.lengths[-1]
     report.add(
         f"- peak GPU memory at {longest}: full {by[longest, 'full']['peak_gpu_gb']:.2f} GB vs CentroidKV "
@@ -230,10 +239,15 @@ def fused_paths(report: Report, args, model) -> dict:
         reference = _biased_attention(query, key, value, log_degree, scale, 0.0)
         fused = flex_degree_attention(query, key, value, log_degree, scale)
         error = float((fused.float() - reference.float()).abs().max())
-        fused_s = time_of(lambda: flex_degree_attention(query, key, value, log_degree, scale))
-        reference_s = time_of(lambda: _biased_attention(query, key, value, log_degree, scale, 0.0))
-        results.append(dict(path="flex", q=q_len, T=length, error=error, fused_s=fused_s, reference_s=reference_s))
-        report.add(f"| flex + log n | {q_len} | {length} | {error:.2e} | {fused_s * 1e3:.3f} | {reference_s * 1e3:.3f} |")
+        inputs = (query, key, value, log_degree, scale)
+        fused_s = time_of(lambda inputs=inputs: flex_degree_attention(*inputs))
+        reference_s = time_of(lambda inputs=inputs: _biased_attention(*inputs, 0.0))
+        results.append(
+            dict(path="flex", q=q_len, T=length, error=error, fused_s=fused_s, reference_s=reference_s)
+        )
+        report.add(
+            f"| flex + log n | {q_len} | {length} | {error:.2e} | {fused_s * 1e3:.3f} | {reference_s * 1e3:.3f} |"
+        )
         if args.device == "cuda" and flash_attn_available() and q_len > 1:
             square = query[:, :, -q_len:], key[:, :, :q_len], value[:, :, :q_len]
             reference = _biased_attention(*square, None, scale, 0.0)

@@ -49,7 +49,12 @@ def test_gpu_check_dry_run(tmp_path):
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
-    for heading in ("## TPOT and peak memory", "## Compression time per call", "## Fused attention", "## Throughput"):
+    for heading in (
+        "## TPOT and peak memory",
+        "## Compression time per call",
+        "## Fused attention",
+        "## Throughput",
+    ):
         assert heading in summary
     assert "sections failed: none" in summary
     results = json.loads((tmp_path / "results.json").read_text())
