@@ -1,3 +1,6 @@
-"""Baseline compression methods, one file each; importing this package registers them all."""
+"""Baseline compression methods, one module each.
 
-from baselines import cam, full, h2o, kmeans, pyramidkv, snapkv, streaming_llm  # noqa: F401
+Nothing is listed here: `centroidkv.methods` imports every module of this package (private `_name`
+modules excepted) on the first registry look-up, and each module registers its methods with
+`@register`. To add a method, drop a file here.
+"""

@@ -44,6 +44,7 @@ from centroidkv.methods import LayerKV, LayerStats, _check_int, register
 @dataclass
 class CaM(H2O):
     name = "cam"
+    label = "CaM"
 
     merge_budget: int = 32
     seed: int = 0
@@ -84,5 +85,5 @@ class CaM(H2O):
         values = kv.values.float().scatter_add(
             2, targets.flatten(2).unsqueeze(-1).expand(-1, -1, -1, head_dim), contribution
         )
-        merged_kv = LayerKV(kv.keys, values.to(kv.values.dtype), kv.log_degree, kv.attention_sum)
+        merged_kv = LayerKV(kv.keys, values.to(kv.values.dtype), kv.log_degree, kv.extras)
         return merged_kv.select(kept)

@@ -11,6 +11,7 @@ from centroidkv.methods import LayerKV, LayerStats, Method, register
 @dataclass
 class FullCache(Method):
     name = "full"
+    label = "Full cache"
     compresses = False
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:

@@ -29,17 +29,21 @@ import torch
 from torch import Tensor
 
 from baselines._select import top_k_in_order
-from centroidkv.methods import LayerKV, LayerStats, Method, check_float, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_float, register
+from centroidkv.needs import ATTENTION_SUM
 
 
 @register
 @dataclass
 class H2O(Method):
     name = "h2o"
-    accumulates_attention = True
+    label = "H2O"
 
     n_sink: int = 0
     recent_ratio: float = 0.5
+
+    def needs(self) -> tuple[Need, ...]:
+        return (ATTENTION_SUM,)
 
     def validate(self) -> None:
         super().validate()

@@ -31,6 +31,7 @@ from centroidkv.methods import check_float, register
 @dataclass
 class PyramidKV(SnapKV):
     name = "pyramidkv"
+    label = "PyramidKV"
 
     beta: float = 20.0
 

@@ -32,6 +32,7 @@ from centroidkv.methods import LayerKV, LayerStats, Method, register
 @dataclass
 class StreamingLLM(Method):
     name = "streaming_llm"
+    label = "StreamingLLM"
 
     n_sink: int = 4
 

@@ -3,18 +3,50 @@
 A method sees one layer's *mergeable segment* (the cache without its protected sinks and recent
 window) and shrinks it to `target_len` tokens. The cache decides when to call it and what the budget
 is; methods only decide which tokens survive (eviction) or how they combine (merging).
+
+Methods are found, not listed: every module of the built-in method packages (`centroidkv.method`
+and each module of the `baselines` folder) is imported on the first look-up, and so is every object
+that an installed distribution declares under the entry-point group `centroidkv.methods` (a module,
+a package whose modules are all imported, or a `Method` class). A module registers its methods with
+`@register`. Adding a method is therefore one file: drop it into `baselines/`, or ship it in your
+own package with, in its pyproject.toml,
+
+    [project.entry-points."centroidkv.methods"]
+    my_method = "my_package.my_method"
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
+import sys
+import warnings
 from dataclasses import dataclass
-from typing import ClassVar
+from importlib import metadata
+from types import ModuleType
+from typing import Any, ClassVar
 
 from centroidkv.kv import LayerKV, LayerStats
+from centroidkv.needs import Need, gather_needs
 
-__all__ = ["LayerKV", "LayerStats", "Method", "check_float", "get_method", "method_names", "register"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LayerKV",
+    "LayerStats",
+    "Method",
+    "Need",
+    "check_float",
+    "get_method",
+    "method_class",
+    "method_label",
+    "method_names",
+    "register",
+]
+
+ENTRY_POINT_GROUP = "centroidkv.methods"
+# Where the harness's own methods live: a module, or a package whose every module is imported.
+BUILTIN_METHOD_PACKAGES = ("centroidkv.method", "baselines")
 
 
 @dataclass
@@ -30,21 +62,44 @@ class Method:
     """
 
     name: ClassVar[str] = "base"
+    label: ClassVar[str] = ""  # display name in tables and figures; defaults to `name`
     compresses: ClassVar[bool] = True  # False for the full cache
     merges: ClassVar[bool] = False  # True when log_degree changes (CentroidKV, K-Means, CaM)
-    accumulates_attention: ClassVar[bool] = False  # True: the cache keeps LayerKV.attention_sum
 
     n_sink: int = 16
     n_recent: int = 64
     compress_interval: int = 64
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "label" not in cls.__dict__:  # a subclass without its own label shows its own name
+            cls.label = cls.name
+
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def label_for(cls, params: dict[str, Any]) -> str:
+        """The display label of a run with these parameters (a wrapper method may name what it wraps)."""
+        return cls.label or cls.name
+
+    def needs(self) -> tuple[Need, ...]:
+        """What the cache must record for this method (`centroidkv.needs`): none by default."""
+        return ()
 
     @property
     def query_window(self) -> int:
         """How many of the latest query states `LayerStats.queries` must hold (0: none)."""
-        return 0
+        return gather_needs(self.needs()).get("queries", 0)
+
+    def check_model(self, model_name: str) -> None:
+        """Raise ValueError when this method's parameters cannot run on `model_name` (checked by the
+        runner's config validation, before any model loads). Nothing to check by default."""
+
+    def kept_whole(self, model) -> dict[int, list[int]]:
+        """KV heads, per layer index, that keep every entry and are never compressed (CentroidKV's
+        outlier heads); called once when a cache first compresses on `model`. None by default."""
+        return {}
 
     def validate(self) -> None:
         _check_int(self, "n_sink", minimum=0)
@@ -84,27 +139,91 @@ REGISTRY: dict[str, type[Method]] = {}
 
 def register(cls: type[Method]) -> type[Method]:
     """Class decorator: make a method available to `get_method(cls.name)`."""
+    existing = REGISTRY.get(cls.name)
+    if existing is not None and _qualified(existing) != _qualified(cls):
+        raise ValueError(
+            f"method name {cls.name!r} is taken by {_qualified(existing)}; {_qualified(cls)} needs another name"
+        )
     REGISTRY[cls.name] = cls
     return cls
 
 
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _import_all(target: ModuleType | str) -> None:
+    """Import a module, or every module of a package (skipping private `_name` modules)."""
+    module = importlib.import_module(target) if isinstance(target, str) else target
+    if not hasattr(module, "__path__"):
+        return
+    for info in pkgutil.iter_modules(module.__path__, prefix=f"{module.__name__}."):
+        if info.name.rsplit(".", 1)[-1].startswith("_"):
+            continue
+        if info.name not in sys.modules:
+            importlib.invalidate_caches()  # the file may have been created after the first look-up
+        importlib.import_module(info.name)
+
+
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    """Import what installed distributions declare under the entry-point group (once per process)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry_point.load()
+        except Exception as error:  # a broken plug-in must not take the harness's own methods down
+            warnings.warn(
+                f"method plug-in {entry_point.name!r} ({entry_point.value}) failed to load: "
+                f"{type(error).__name__}: {error}",
+                stacklevel=2,
+            )
+            continue
+        if isinstance(loaded, ModuleType):
+            _import_all(loaded)
+        elif isinstance(loaded, type) and issubclass(loaded, Method):
+            register(loaded)
+
+
 def _load_all() -> None:
-    # Methods register themselves on import; baselines live in their own top-level package.
-    importlib.import_module("centroidkv.method")
-    importlib.import_module("baselines")
+    # Built-in packages are re-scanned on every look-up (cheap), so a file dropped into baselines/
+    # is found without restarting; plug-ins are loaded once.
+    for package in BUILTIN_METHOD_PACKAGES:
+        _import_all(package)
+    _load_plugins()
 
 
 def method_names() -> list[str]:
+    """Every registered method's name: the built-in ones first, then plug-ins, in discovery order."""
     _load_all()
     return list(REGISTRY)
 
 
-def get_method(name: str, **params) -> Method:
-    """Build a registered method with keyword parameters; unknown names and parameters raise ValueError."""
+def method_class(name: str) -> type[Method]:
+    """The registered class of `name`; ValueError (one line) for an unknown name."""
     _load_all()
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(REGISTRY)}")
-    cls = REGISTRY[name]
+    return REGISTRY[name]
+
+
+def method_label(name: str, params: dict[str, Any] | None = None) -> str:
+    """The display label of a method run (its class's `label_for`); the bare name when unregistered."""
+    try:
+        cls = method_class(name)
+    except ValueError:  # records of a method that is no longer installed keep their name
+        return name
+    return cls.label_for(dict(params or {}))
+
+
+def get_method(name: str, **params) -> Method:
+    """Build a registered method with keyword parameters; unknown names and parameters raise ValueError."""
+    cls = method_class(name)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(params) - known)
     if unknown:

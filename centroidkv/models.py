@@ -273,7 +273,7 @@ def load_model(
         )
         tokenizer = load_tokenizer(name)
     model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
-    prepare_model(model)
+    prepare_model(model, name)
     return model, tokenizer
 
 

@@ -16,28 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from eval.longbench.constants import EN_DATASETS
+from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# RULER's 13 tasks (BENCHMARKS.md); the generator in eval.ruler is the authority when it is importable.
-RULER_TASKS = (
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-    "qa_1",
-    "qa_2",
-)
-LONGBENCH_DATASETS = EN_DATASETS
-BENCHMARKS = ("ruler", "longbench", "niah", "toy")
 LOGGERS = ("wandb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,32 +41,29 @@ class ModelConfig:
 
 @dataclass(frozen=True, eq=True)
 class MethodSpec:
-    """One compression method with its parameters, evaluated at one budget."""
+    """One compression method with its parameters, evaluated at one budget.
+
+    `variant` names this configuration of the method (by default the method's own name): a job may
+    hold several variants of one method, e.g. `centroidkv` and `csm_pre_rope`, sharing each prefill.
+    """
 
     name: str
     budget: float
     params: dict[str, Any] = field(default_factory=dict)
+    variant: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.variant:
+            object.__setattr__(self, "variant", self.name)
 
     @property
     def label(self) -> str:
-        return f"{self.name}@{self.budget:g}"
+        return f"{self.variant}@{self.budget:g}"
 
     def __hash__(self) -> int:
-        return hash((self.name, self.budget, json.dumps(self.params, sort_keys=True, default=str)))
-
-
-@dataclass(frozen=True)
-class BenchmarkConfig:
-    name: str
-    tasks: tuple[str, ...]
-    lengths: tuple[int, ...]
-    n_samples: int
-    seed: int = 0
-    max_new_tokens: int | None = None  # cap on the per-task generation length
-    context_only: bool = False  # compress the context only, feed the question uncompressed
-    data_dir: str | None = None
-    depths: tuple[float, ...] = ()  # NIAH needle depths in percent
-    ignore_eos: bool = False  # decode exactly max_new_tokens (speed runs)
+        return hash(
+            (self.name, self.variant, self.budget, json.dumps(self.params, sort_keys=True, default=str))
+        )
 
 
 @dataclass(frozen=True)
@@ -101,7 +80,7 @@ class RunConfig:
     job_dir: Path
     model: ModelConfig
     methods: tuple[MethodSpec, ...]
-    benchmark: BenchmarkConfig
+    benchmark: Benchmark
     logger: LoggerConfig
     retry_failed: bool = False
     warmup: bool = True
@@ -121,16 +100,69 @@ def job_name_from_overrides(override_dirname: str) -> str:
     return name or "default"
 
 
-def _method_file_params(name: str) -> dict[str, Any]:
-    path = CONFIG_DIR / "method" / f"{name}.yaml"
-    if not path.exists():
-        return {}
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
-    return dict(data.get("params") or {})
+DEFAULT_BUDGET = (
+    0.5  # `method.budget` of every method's config: R, the cache ratio of (prompt + max new tokens)
+)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def store_configs() -> None:
+    """Register Hydra's `method/<name>` and `benchmark/<name>` options, built from the registries.
+
+    Each registered method (built in, discovered under `baselines/`, or from an entry point) becomes
+    `method=<name>` with `params` = its dataclass defaults, the only place defaults live, and
+    `budget` = DEFAULT_BUDGET; each benchmark of `eval.benchmarks` becomes `benchmark=<name>` with its
+    dataclass defaults. Call before Hydra composes (scripts/run.py does at startup).
+    """
+    from hydra.core.config_store import ConfigStore
+
+    from centroidkv import get_method, method_names
+
+    store = ConfigStore.instance()
+    for name in method_names():
+        node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
+        store.store(group="method", name=name, node=node, provider="centroidkv")
+    for name in benchmark_names():
+        node = build_benchmark({"name": name})[0].params()
+        store.store(group="benchmark", name=name, node=node, provider="centroidkv")
+
+
+METHOD_ENTRY_KEYS = ("name", "variant", "params")
+
+
+def _method_entry(
+    entry: Any, method_raw: dict[str, Any], errors: list[str]
+) -> tuple[str, str, dict[str, Any]] | None:
+    """(method name, variant, parameters given) of one `methods` entry, or None after an error line.
+
+    An entry is a registered name, or a mapping {name, variant, params}. The parameters given are
+    `method.params` when `method.name` is this method, then the entry's own `params`; the method's
+    dataclass supplies every other default.
+    """
+    from centroidkv import method_names
+
+    if isinstance(entry, dict):
+        unknown = sorted(set(entry) - set(METHOD_ENTRY_KEYS))
+        if unknown:
+            errors.append(
+                f"methods: unknown key(s) {', '.join(unknown)} in {entry}; an entry holds "
+                f"{', '.join(METHOD_ENTRY_KEYS)}"
+            )
+            return None
+        name, variant, own = entry.get("name"), entry.get("variant") or entry.get("name"), entry.get("params")
+    else:
+        name, variant, own = entry, entry, None
+    if name not in method_names():
+        errors.append(f"methods: unknown method {name!r}; registered: {', '.join(method_names())}")
+        return None
+    if not isinstance(variant, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", variant):
+        errors.append(f"methods: variant must be a plain name (letters, digits, _ . + -), got {variant!r}")
+        return None
+    if own is not None and not isinstance(own, dict):
+        errors.append(f"methods: params of {variant} must be a mapping, got {own!r}")
+        return None
+    params = dict(method_raw.get("params") or {}) if method_raw.get("name") == name else {}
+    params.update(own or {})
+    return str(name), variant, params
 
 
 def _check_budget(value: Any, where: str, errors: list[str]) -> float | None:
@@ -155,7 +187,7 @@ def _as_list(value: Any) -> list:
 
 def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig."""
-    from centroidkv import get_method, method_names
+    from centroidkv import get_method
     from centroidkv.models import check_model_name
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
@@ -184,8 +216,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
 
     # --- methods x budgets ---
     method_raw = raw.get("method") or {}
-    known = method_names()
-    names = _as_list(raw.get("methods")) or [method_raw.get("name")]
+    entries = _as_list(raw.get("methods")) or [method_raw.get("name")]
     budgets_raw = _as_list(raw.get("budgets")) or _as_list(method_raw.get("budget"))
     if not budgets_raw:
         errors.append("budgets: at least one budget is needed (method.budget or budgets)")
@@ -193,84 +224,33 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     if len(set(budgets)) != len(budgets):
         errors.append(f"budgets: duplicates in {budgets_raw}")
     specs: list[MethodSpec] = []
-    if len(set(map(str, names))) != len(names):
-        errors.append(f"methods: duplicates in {names}")
-    for name in names:
-        if name not in known:
-            errors.append(f"methods: unknown method {name!r}; registered: {', '.join(known)}")
+    variants: list[str] = []
+    for entry in entries:
+        parsed = _method_entry(entry, method_raw, errors)
+        if parsed is None:
             continue
-        params = _method_file_params(name)
-        if method_raw.get("name") == name:
-            params.update(method_raw.get("params") or {})
+        name, variant, params = parsed
+        if variant in variants:
+            errors.append(
+                f"methods: {variant!r} appears twice; give each entry of one method its own `variant`"
+            )
+            continue
+        variants.append(variant)
         try:
             method = get_method(name, **params)
+            method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
-            errors.append(f"method {name}: {str(error).splitlines()[0]}")
+            errors.append(f"method {variant}: {str(error).splitlines()[0]}")
             continue
+        params = method.params()  # the full effective parameters, defaults included
         if not method.compresses:  # the full cache is one reference run, whatever the budgets
-            specs.append(MethodSpec(name, 1.0, params))
+            specs.append(MethodSpec(name, 1.0, params, variant))
             continue
-        specs.extend(MethodSpec(name, b, params) for b in budgets)
+        specs.extend(MethodSpec(name, b, params, variant) for b in budgets)
 
     # --- benchmark ---
-    bench_raw = raw.get("benchmark") or {}
-    bench_name = bench_raw.get("name")
-    if bench_name not in BENCHMARKS:
-        errors.append(
-            f"benchmark.name: unknown benchmark {bench_name!r}; choose one of {', '.join(BENCHMARKS)}"
-        )
-    tasks = _as_list(bench_raw.get("tasks"))
-    if bench_name == "ruler":
-        valid_tasks = _ruler_tasks()
-        for task in tasks:
-            if task not in valid_tasks:
-                errors.append(
-                    f"benchmark.tasks: unknown RULER task {task!r}; choose from {', '.join(valid_tasks)}"
-                )
-    elif bench_name == "longbench":
-        for task in tasks:
-            if task.removesuffix("_e") not in LONGBENCH_DATASETS:
-                errors.append(
-                    f"benchmark.tasks: unknown LongBench dataset {task!r}; choose from {', '.join(LONGBENCH_DATASETS)}"
-                )
-    if not tasks and bench_name in ("ruler", "longbench", "toy"):
-        errors.append("benchmark.tasks: at least one task is needed")
-    lengths = _as_list(bench_raw.get("lengths"))
-    for length in lengths:
-        if not _is_int(length) or length < 16:
-            errors.append(f"benchmark.lengths: each length must be an integer >= 16 tokens, got {length!r}")
-    if not lengths and bench_name != "longbench":
-        errors.append("benchmark.lengths: at least one context length is needed")
-    n_samples = bench_raw.get("n_samples")
-    if not _is_int(n_samples) or n_samples < 1:
-        errors.append(f"benchmark.n_samples: must be an integer >= 1, got {n_samples!r}")
-    seed = bench_raw.get("seed", 0)
-    if not _is_int(seed) or seed < 0:
-        errors.append(f"benchmark.seed: must be an integer >= 0, got {seed!r}")
-    cap = bench_raw.get("max_new_tokens")
-    if cap is not None and (not _is_int(cap) or cap < 1):
-        errors.append(f"benchmark.max_new_tokens: must be an integer >= 1 or null, got {cap!r}")
-    depths = _as_list(bench_raw.get("depths"))
-    for depth in depths:
-        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 100:
-            errors.append(f"benchmark.depths: each depth must be a percentage in [0, 100], got {depth!r}")
-    if bench_name == "niah" and not depths:
-        errors.append("benchmark.depths: NIAH needs at least one needle depth")
-    for key in ("context_only", "ignore_eos"):
-        if not isinstance(bench_raw.get(key, False), bool):
-            errors.append(f"benchmark.{key}: must be true or false, got {bench_raw.get(key)!r}")
-    benchmark = BenchmarkConfig(
-        name=str(bench_name),
-        tasks=tuple(map(str, tasks)),
-        lengths=tuple(lengths),
-        n_samples=n_samples if _is_int(n_samples) else 0,
-        seed=seed if _is_int(seed) else 0,
-        max_new_tokens=cap,
-        context_only=bool(bench_raw.get("context_only", False)),
-        ignore_eos=bool(bench_raw.get("ignore_eos", False)),
-        data_dir=bench_raw.get("data_dir"),
-        depths=tuple(float(d) for d in depths if isinstance(d, (int, float))),
-    )
+    benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
+    errors.extend(benchmark_errors)
 
     # --- logger, run ---
     logger_raw = raw.get("logger") or {"name": "none"}
@@ -302,13 +282,3 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         retry_failed=bool(raw.get("retry_failed", False)),
         warmup=bool(raw.get("warmup", True)),
     )
-
-
-def _ruler_tasks() -> tuple[str, ...]:
-    try:
-        from eval import ruler
-
-        tasks = getattr(ruler, "TASKS", None)
-        return tuple(tasks) if tasks else RULER_TASKS
-    except ImportError:
-        return RULER_TASKS

@@ -24,12 +24,14 @@ from typing import Any
 RECORDS = "records.jsonl"
 DONE = "done.json"
 
-# A record is identified by these fields: one line per sample x method (params) x budget.
-KEY_FIELDS = ("benchmark", "task", "length", "sample_id", "method", "params", "budget")
+# A record is identified by these fields: one line per sample x method variant (params) x budget.
+KEY_FIELDS = ("benchmark", "task", "length", "sample_id", "method", "variant", "params", "budget")
 
 
 def record_key(record: dict[str, Any]) -> str:
-    return json.dumps([record.get(k) for k in KEY_FIELDS], sort_keys=True, default=str)
+    # Records written before variants existed have none: their variant is the method's name.
+    values = {**record, "variant": record.get("variant") or record.get("method")}
+    return json.dumps([values.get(k) for k in KEY_FIELDS], sort_keys=True, default=str)
 
 
 def atomic_write(path: Path, text: str) -> None:

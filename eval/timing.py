@@ -43,24 +43,20 @@ def measure_prefill_sharing(
     separate_s: what N independent runs would cost (N plain prefills + the same N parts).
     """
     from centroidkv import CompressedCache, load_model
-    from eval.config import MethodSpec, _method_file_params
-    from eval.runner import Evaluator, encode_prompt, load_samples, warm_up
+    from eval.benchmarks.ruler import Ruler
+    from eval.config import MethodSpec
+    from eval.evaluate import Evaluator, warm_up
+    from eval.samples import encode_prompt
 
     model, tokenizer = load_model(model_name)
     if methods is None:  # every registered method
         from centroidkv.methods import method_names
 
         methods = tuple(method_names())
-    specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget, _method_file_params(m)) for m in methods)
-    try:
-        from eval.config import BenchmarkConfig
-
-        bench = BenchmarkConfig("ruler", (task,), (length,), 1)
-        sample = load_samples(bench, tokenizer)[0]
-    except ImportError:
-        bench = BenchmarkConfig("toy", ("toy",), (length,), 1)
-        sample = load_samples(bench, tokenizer)[0]
-    evaluator = Evaluator(model, tokenizer, specs, bench.name, context_only=False)
+    specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget) for m in methods)
+    bench = Ruler(tasks=(task,), lengths=(length,), n_samples=1)
+    sample = bench.samples(tokenizer)[0]
+    evaluator = Evaluator(model, tokenizer, specs, bench)
     warm_up(evaluator)
     head, _ = encode_prompt(sample, tokenizer, context_only=False)
     timer = Timer(evaluator.device)

@@ -20,6 +20,7 @@ TABLE_COLUMNS = (
     "task",
     "sample_id",
     "method",
+    "variant",
     "budget",
     "status",
     "score",
@@ -83,7 +84,7 @@ class WandbLogger:
         )
 
     def log_record(self, record: dict[str, Any]) -> None:
-        prefix = f"{record['task']}/{record['method']}@{record['budget']:g}"
+        prefix = f"{record['task']}/{record.get('variant') or record['method']}@{record['budget']:g}"
         metrics = {
             f"{prefix}/{k}": record[k]
             for k in ("score", "ttft", "tpot", "kv_bytes")

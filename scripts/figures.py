@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from scripts.tables import METHOD_NAMES, METHOD_ORDER, load_or_error  # noqa: E402
+from scripts.tables import load_or_error  # noqa: E402
 
 FAMILIES = {
     "Single NIAH": ("niah_single_1", "niah_single_2", "niah_single_3"),
@@ -37,11 +37,13 @@ FAMILIES = {
     "Aggregation (CWE, FWE)": ("cwe", "fwe"),
     "QA": ("qa_1", "qa_2"),
 }
-STYLE = {m: dict(color=f"C{i}", marker="osv^D<>p"[i % 8]) for i, m in enumerate(METHOD_ORDER)}
+MARKERS = "osv^D<>pPX*h"
 
 
-def _style(method: str) -> dict:
-    return STYLE.get(method, dict(color="gray", marker="x"))
+def _style(rank: int) -> dict:
+    """Colour and marker of the method ranked `rank` in the records (tables.load's method_rank)."""
+    rank = max(0, int(rank))
+    return dict(color=f"C{rank % 10}", marker=MARKERS[rank % len(MARKERS)])
 
 
 def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
@@ -54,9 +56,10 @@ def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
 
 
 def _task_means(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean score per (method, params, budget, task) over successful samples."""
+    """Mean score per (label, budget, task) over successful samples; a label is one method or variant."""
     ok = df[df["ok"]]
-    return ok.groupby(["method", "label", "params_json", "budget", "task"], as_index=False)["score"].mean()
+    keys = ["method", "method_rank", "label", "budget", "task"]
+    return ok.groupby(keys, as_index=False)["score"].mean()
 
 
 def _subtitle(df: pd.DataFrame) -> str:
@@ -64,7 +67,7 @@ def _subtitle(df: pd.DataFrame) -> str:
     lengths = ", ".join(
         f"{int(x) // 1024}k" if x >= 1024 else str(int(x)) for x in sorted(df["length"].dropna().unique())
     )
-    n = df[df["ok"]].groupby(["task", "method", "params_json", "budget"]).size()
+    n = df[df["ok"]].groupby(["task", "label", "budget"]).size()
     per_task = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}-{int(n.max())}"
     return f"{models}, context {lengths} tokens, {per_task} sample{'s' if per_task != '1' else ''} per task"
 
@@ -76,35 +79,35 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
     n_tasks = part["task"].nunique()
     # Average over tasks, only for (method, budget) points that have every task.
     avg = (
-        part.groupby(["method", "label", "budget"])
+        part.groupby(["method", "method_rank", "label", "budget"])
         .agg(score=("score", "mean"), n=("task", "nunique"))
         .reset_index()
     )
     avg = avg[avg["n"] == n_tasks]
     budgets = sorted(avg.loc[avg["method"] != "full", "budget"].unique())
-    methods = sorted(avg["method"].unique(), key=lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else 99)
     n_lines = avg.loc[avg["method"] != "full", "label"].nunique()
     spread = 0.08 * (max(budgets) - min(budgets) if len(budgets) > 1 else 0.25)
     line = 0
-    for method in methods:
-        rows = avg[avg["method"] == method].sort_values("budget")
-        name = METHOD_NAMES.get(method, method)
+    for (method, rank, label), rows in avg.sort_values(["method_rank", "label"]).groupby(
+        ["method", "method_rank", "label"], sort=False
+    ):
+        rows = rows.sort_values("budget")
         if method == "full":
             ax.axhline(
                 rows["score"].mean(),
                 color="black",
                 linestyle="--",
                 linewidth=1.2,
-                label=f"{name} (no compression)",
+                label=f"{label} (no compression)",
                 zorder=5,
             )
             continue
-        for label, group in rows.groupby("label"):
-            # Dodge: equal scores would hide each other, so each method is shifted a little sideways.
-            offset = (line - (n_lines - 1) / 2) * spread / max(1, n_lines - 1)
-            x = group["budget"] + offset
-            ax.plot(x, group["score"], label=label, linewidth=1.6, markersize=6, **_style(method))
-            line += 1
+        # Dodge: equal scores would hide each other, so each line is shifted a little sideways.
+        offset = (line - (n_lines - 1) / 2) * spread / max(1, n_lines - 1)
+        ax.plot(
+            rows["budget"] + offset, rows["score"], label=label, linewidth=1.6, markersize=6, **_style(rank)
+        )
+        line += 1
     ax.set_title(title, fontsize=11)
     ax.set_xticks(budgets)
     ax.set_xticklabels([f"{b:.0%}" for b in budgets])
@@ -228,9 +231,9 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     ].mean()
     agg = agg.sort_values(["method_rank", "who", "length"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (method, _, who), group in agg.groupby(["method", "method_rank", "who"], sort=False):
+    for (method, rank, who), group in agg.groupby(["method", "method_rank", "who"], sort=False):
         group = group.sort_values("length")
-        style = dict(linestyle="--", color="black", marker="o") if method == "full" else _style(method)
+        style = dict(linestyle="--", color="black", marker="o") if method == "full" else _style(rank)
         ax1.plot(group["length"], group["tpot_ms"], label=who, **style)
         ax2.plot(group["length"], group["kv_mib"], label=who, **style)
     for ax, ylabel, title in (

@@ -21,7 +21,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from eval.config import ConfigError, build_run_config, job_name_from_overrides  # noqa: E402
+from eval.config import ConfigError, build_run_config, job_name_from_overrides, store_configs  # noqa: E402
+
+store_configs()  # method=<name> for every registered method, from its dataclass defaults
 
 
 @hydra.main(config_path=str(ROOT / "configs"), config_name="config", version_base="1.3")

@@ -23,19 +23,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from centroidkv.methods import method_label  # noqa: E402
 from eval.records import iter_records  # noqa: E402
 
-METHOD_ORDER = ["full", "centroidkv", "streaming_llm", "h2o", "snapkv", "pyramidkv", "kmeans", "cam"]
-METHOD_NAMES = {
-    "full": "Full cache",
-    "centroidkv": "CentroidKV",
-    "streaming_llm": "StreamingLLM",
-    "h2o": "H2O",
-    "snapkv": "SnapKV",
-    "pyramidkv": "PyramidKV",
-    "kmeans": "K-Means",
-    "cam": "CaM",
-}
 TASK_NAMES = {
     "niah_single_1": "S-NIAH-1",
     "niah_single_2": "S-NIAH-2",
@@ -54,29 +44,44 @@ TASK_NAMES = {
 
 
 def load(paths: list[Path]) -> pd.DataFrame:
-    """All records under `paths` as a DataFrame, with a `label` per method and parameter set."""
+    """All records under `paths` as a DataFrame, with a display `label` per row.
+
+    Rows are grouped by `entry`: the record's `variant` when it has one (a named parameter set of a
+    method in a multi-method job), its `method` otherwise. A variant is shown by its name; a method
+    by its class's label (`Method.label`). A method run with several parameter sets and no variant
+    names (a Hydra sweep) gets the differing parameters appended to its label. Rows are ordered
+    as the records first name them (the order of the experiment's `methods`), the full cache first.
+    """
     df = pd.DataFrame(list(iter_records(paths)))
     if df.empty:
         return df
+    df["params"] = df["params"].map(lambda p: p if isinstance(p, dict) else {})
     df["params_json"] = df["params"].map(lambda p: json.dumps(p, sort_keys=True))
-    df["label"] = df["method"].map(lambda m: METHOD_NAMES.get(m, m))
-    # A method run with several parameter sets (an r sweep) gets the differing parameters in its label.
-    for (experiment, method), group in df.groupby(["experiment", "method"]):
-        variants = group["params_json"].unique()
-        if len(variants) < 2:
-            continue
-        dicts = [json.loads(v) for v in variants]
-        differing = sorted(k for k in set().union(*dicts) if len({json.dumps(d.get(k)) for d in dicts}) > 1)
-        for variant, params in zip(variants, dicts, strict=True):
-            suffix = ", ".join(f"{k}={params.get(k)}" for k in differing)
-            mask = (
-                (df["experiment"] == experiment) & (df["method"] == method) & (df["params_json"] == variant)
-            )
-            df.loc[mask, "label"] = f"{METHOD_NAMES.get(method, method)} ({suffix})"
-    df["ok"] = df["status"] == "ok"
-    df["method_rank"] = df["method"].map(
-        lambda m: METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER)
+    variant = df["variant"] if "variant" in df else pd.Series(None, index=df.index, dtype=object)
+    # The runner names every record's variant; one named like its method is the method itself.
+    has_variant = (
+        variant.notna() & (variant.astype(str) != "") & (variant.astype(str) != df["method"].astype(str))
     )
+    df["entry"] = variant.where(has_variant, df["method"]).astype(str)
+    df["label"] = [
+        str(v) if named else method_label(m, p)
+        for v, named, m, p in zip(variant, has_variant, df["method"], df["params"], strict=True)
+    ]
+    for _, group in df[~has_variant].groupby(["experiment", "label"]):
+        param_sets = group["params_json"].unique()
+        if len(param_sets) < 2:
+            continue
+        dicts = [json.loads(v) for v in param_sets]
+        differing = sorted(k for k in set().union(*dicts) if len({json.dumps(d.get(k)) for d in dicts}) > 1)
+        for param_set, params in zip(param_sets, dicts, strict=True):
+            suffix = ", ".join(f"{k}={params.get(k)}" for k in differing)
+            mask = group.index[group["params_json"] == param_set]
+            df.loc[mask, "label"] = f"{df.loc[mask[0], 'label']} ({suffix})"
+    df["ok"] = df["status"] == "ok"
+    first_seen = {entry: rank for rank, entry in enumerate(dict.fromkeys(df["entry"]))}
+    df["method_rank"] = [
+        -1 if m == "full" else first_seen[e] for m, e in zip(df["method"], df["entry"], strict=True)
+    ]
     return df
 
 

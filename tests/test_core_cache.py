@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from centroidkv import CompressedCache, get_method
 from centroidkv.attention import degree_attention
+from centroidkv.needs import ATTENTION_SUM
 
 
 def stock_twin(model):
@@ -171,6 +172,7 @@ def test_cache_refuses_unprepared_model(tiny_model):
 
 class _FakeLayer:
     tracks_attention = False
+    whole_heads = None
 
     def __init__(self, log_degree):
         self.log_degree = log_degree
@@ -210,16 +212,22 @@ def test_attention_with_unit_degrees_equals_sdpa_and_duplicates_are_exact(q_len)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_model_stays_finite_with_degrees_up_to_1e5(tiny_model, dtype):
     model = copy.deepcopy(tiny_model).to(dtype)
-    cache = CompressedCache(get_method("centroidkv", chunk_size=32), budget=0.3, max_new_tokens=10)
+    method = get_method("centroidkv", chunk_size=32, compress_interval=1)
+    cache = CompressedCache(method, budget=0.3, max_new_tokens=10)
     model(prompt(300), past_key_values=cache)
     for layer in cache.layers:
         layer.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
     logits = model(torch.tensor([[5]]), past_key_values=cache).logits
     assert torch.isfinite(logits).all()
+    # A smaller budget puts every layer over it: compress_now must merge at these degrees.
+    mass_before = [layer.log_degree.double().exp().sum(-1) for layer in cache.layers]
+    lengths_before = cache.seq_lengths()
+    cache.budget = 0.27
     cache.compress_now()
-    for layer in cache.layers:
-        layer.compress()  # force a merge at these degrees
+    for layer, length, mass in zip(cache.layers, lengths_before, mass_before, strict=True):
+        assert layer.length == layer.budget_len < length
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+        torch.testing.assert_close(layer.log_degree.double().exp().sum(-1), mass, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -276,7 +284,7 @@ def test_tracking_attention_does_not_change_the_answer(tiny_model):
     """A cache that records accumulated attention decodes exactly like one that does not."""
     ids = prompt(120)
     plain, _ = greedy(tiny_model, ids, CompressedCache("full", 1.0, 8), 8)
-    tracked_cache = CompressedCache("full", 1.0, 8, record_attention=True)
+    tracked_cache = CompressedCache("full", 1.0, 8, needs=[ATTENTION_SUM])
     tracked, _ = greedy(tiny_model, ids, tracked_cache, 8)
     assert torch.equal(plain, tracked)
     sums = torch.stack([layer.attention_sum.sum(-1) for layer in tracked_cache.layers])
@@ -291,7 +299,7 @@ def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny_model):
 
     gc.disable()
     try:
-        cache = CompressedCache("centroidkv", 0.5, 4, record_attention=True)
+        cache = CompressedCache("centroidkv", 0.5, 4, needs=[ATTENTION_SUM])
         tiny_model(prompt(200), past_key_values=cache)
         fork = cache.fork("h2o", 0.5)
         refs = [weakref.ref(cache), weakref.ref(fork), weakref.ref(cache.layers[0])]

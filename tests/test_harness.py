@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from eval.config import CONFIG_DIR, ConfigError, build_run_config
+from eval.config import CONFIG_DIR, ConfigError, build_run_config, store_configs
 from eval.records import JobStore, read_records, record_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,7 @@ TINY = ["model=tiny-llama", "benchmark=toy", "logger=none", "warmup=false"]
 
 
 def composed(overrides: list[str]):
+    store_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
@@ -81,15 +82,51 @@ def test_every_experiment_validates(experiment):
                                                  "kmeans", "cam"}  # fmt: skip
 
 
-def test_method_configs_mirror_the_registered_defaults():
-    from omegaconf import OmegaConf
-
+def test_method_configs_come_from_the_registry():
     from centroidkv import get_method, method_names
 
+    assert not (CONFIG_DIR / "method").exists()  # no YAML copy of any default
     for name in method_names():
-        config = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "method" / f"{name}.yaml"))
-        assert config["name"] == name
-        assert config["params"] == get_method(name).params(), f"configs/method/{name}.yaml is out of date"
+        cfg = composed([f"method={name}"])
+        assert cfg.method.name == name and cfg.method.params == get_method(name).params()
+
+
+def test_a_method_registered_later_needs_no_config_file(tmp_path):
+    """A method defined after startup (as baselines/ discovery or an entry point would) is usable as
+    `method=<name>` and inside `methods=[...]` with nothing else written."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from centroidkv.methods import REGISTRY, Method, register
+    from eval.runner import config_yaml_of, run_job
+
+    @dataclass
+    class KeepFirst(Method):
+        """Keeps the first `target_len` tokens of the mergeable segment (a test method)."""
+
+        name = "keep_first_test"
+        offset: int = 0
+
+        def compress(self, kv, target_len, stats):
+            index = torch.arange(self.offset, self.offset + target_len, device=kv.keys.device)
+            return kv.select(index.expand(*kv.keys.shape[:2], -1))
+
+    register(KeepFirst)
+    try:
+        cfg, _ = run_cfg(tmp_path, ["method=keep_first_test", "method.params.offset=3"])
+        assert [(s.name, s.params["offset"]) for s in cfg.methods] == [("keep_first_test", 3)]
+        cfg, raw = run_cfg(
+            tmp_path, ["methods=[full,keep_first_test]", "budgets=[0.5]", "benchmark.n_samples=1"]
+        )
+        assert [s.label for s in cfg.methods] == ["full@1", "keep_first_test@0.5"]
+        assert cfg.methods[1].params == KeepFirst().params()
+        run_job(cfg, config_yaml_of(cfg, raw))
+        records, _ = read_records(cfg.job_dir / "records.jsonl")
+        assert [(r["method"], r["status"]) for r in records] == [("full", "ok"), ("keep_first_test", "ok")]
+        assert records[1]["kv_bytes"] < records[0]["kv_bytes"]
+    finally:
+        del REGISTRY["keep_first_test"]
 
 
 def test_two_bad_values_give_two_lines(tmp_path):
@@ -103,6 +140,69 @@ def test_methods_times_budgets_share_one_job(tmp_path):
     labels = [spec.label for spec in cfg.methods]
     assert labels == ["full@1", "centroidkv@0.25", "centroidkv@0.5", "snapkv@0.25", "snapkv@0.5"]
     assert cfg.job_dir == tmp_path.resolve() / "default" / "job"
+
+
+VARIANTS = "methods=[full,centroidkv,{name:centroidkv,variant:centroidkv_r02,params:{r_init:0.2,r_min:0.05}}]"
+
+
+def test_method_variants_set_each_entry_s_parameters(tmp_path):
+    cfg, _ = run_cfg(tmp_path, [VARIANTS, "budgets=[0.25,0.5]", "method.params.chunk_size=64"])
+    assert [spec.label for spec in cfg.methods] == [
+        "full@1", "centroidkv@0.25", "centroidkv@0.5", "centroidkv_r02@0.25", "centroidkv_r02@0.5"
+    ]  # fmt: skip
+    by_variant = {spec.variant: spec for spec in cfg.methods}
+    assert by_variant["centroidkv_r02"].name == "centroidkv"
+    # defaults, then method.params (method.name is centroidkv), then the entry's own params
+    assert (
+        by_variant["centroidkv"].params["r_init"] == 0.5
+        and by_variant["centroidkv"].params["chunk_size"] == 64
+    )
+    assert by_variant["centroidkv_r02"].params == {
+        **by_variant["centroidkv"].params,
+        "r_init": 0.2,
+        "r_min": 0.05,
+    }
+
+
+@pytest.mark.parametrize(
+    "methods, fragment",
+    [
+        ("methods=[centroidkv,{name:centroidkv,params:{r_init:0.2}}]", "'centroidkv' appears twice"),
+        ("methods=[{name:centroidkv,variant:a,params:{r_init:7}}]", "method a: centroidkv: r_init"),
+        ("methods=[{name:centroidkv,variant:a,param:{r_init:0.2}}]", "unknown key(s) param"),
+        ("methods=[{name:nope,variant:a}]", "unknown method 'nope'"),
+        ("methods=[{name:centroidkv,variant:'a b'}]", "variant must be a plain name"),
+    ],
+)
+def test_bad_method_variant_gives_one_line(tmp_path, methods, fragment):
+    with pytest.raises(ConfigError) as error:
+        run_cfg(tmp_path, [methods])
+    assert len(error.value.lines) == 1 and fragment in error.value.lines[0], error.value.lines
+
+
+def test_method_variants_share_the_prefill_and_resume_by_variant(tmp_path):
+    from eval.runner import config_yaml_of, run_job
+
+    cfg, raw = run_cfg(tmp_path, [VARIANTS, "budgets=[0.5]", "benchmark.n_samples=2"])
+    run_job(cfg, config_yaml_of(cfg, raw))
+    records, _ = read_records(cfg.job_dir / "records.jsonl")
+    assert len(records) == 2 * 3 and all(r["status"] == "ok" for r in records)
+    assert {(r["method"], r["variant"], r["params"]["r_init"]) for r in records if r["method"] != "full"} == {
+        ("centroidkv", "centroidkv", 0.5),
+        ("centroidkv", "centroidkv_r02", 0.2),
+    }
+    first = [r for r in records if r["sample_id"] == records[0]["sample_id"]]
+    assert len({r["prefill_s"] for r in first}) == 1  # one prefill for the three variants
+    assert len({record_key(r) for r in records}) == 6
+    # Resuming finds every (sample, variant) done: dropping done.json reruns nothing.
+    (cfg.job_dir / "done.json").unlink()
+    run_job(cfg, config_yaml_of(cfg, raw))
+    assert len(cfg.job_dir.joinpath("records.jsonl").read_text().splitlines()) == 6
+
+
+def test_records_without_a_variant_keep_their_key():
+    old = {"benchmark": "toy", "task": "t", "sample_id": "0", "method": "snapkv", "params": {}, "budget": 0.5}
+    assert record_key(old) == record_key({**old, "variant": "snapkv"}) != record_key({**old, "variant": "x"})
 
 
 def test_cli_bad_value_exits_nonzero_and_writes_nothing(tmp_path):
@@ -144,16 +244,17 @@ def test_job_records_and_skip_when_finished(tmp_path):
 
 
 def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
+    import eval.evaluate
     import eval.runner as runner
 
-    real = runner.encode_prompt
+    real = eval.evaluate.encode_prompt
 
     def flaky(sample, tokenizer, context_only):
         if sample["index"] == 1:
             raise RuntimeError("bad data in sample 1")
         return real(sample, tokenizer, context_only)
 
-    monkeypatch.setattr(runner, "encode_prompt", flaky)
+    monkeypatch.setattr(eval.evaluate, "encode_prompt", flaky)
     # centroidkv at 0.1 cannot hold its 80 protected tokens in a ~300-token prompt: fails at compression.
     cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.1,0.5]", "benchmark.n_samples=3"])
     summary = runner.run_job(cfg, runner.config_yaml_of(cfg, raw))
@@ -170,18 +271,63 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
     assert JobStore(cfg.job_dir).finished
 
 
-def test_context_only_protocol(tmp_path):
+def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
+    """The context is compressed, then the question is appended to the cache as it is: one entry of
+    degree 1 per token, and (layer 0, whose keys depend on the token and position only) the same keys
+    as in a full-cache run of the whole prompt. compress_interval=1 would re-compress at the first
+    token over the budget if the feed were not paused; max_new_tokens=1 leaves the cache as the feed
+    made it."""
+    import torch
+
+    import eval.evaluate
+    from centroidkv.cache import CompressedCache
+    from centroidkv.decoding import prefill
     from eval.runner import config_yaml_of, run_job
 
-    cfg, raw = run_cfg(
-        tmp_path, ["method.budget=0.5", "benchmark.n_samples=1", "benchmark.context_only=true"]
+    seen: dict[str, list] = {"prefill": [], "question": [], "fork": []}
+    real_prefill, real_generate, real_fork = (
+        eval.evaluate.prefill,
+        eval.evaluate.generate_from,
+        CompressedCache.fork,
     )
+
+    def spy_prefill(model, input_ids, *args, **kwargs):
+        seen["prefill"].append((model, input_ids))
+        return real_prefill(model, input_ids, *args, **kwargs)
+
+    def spy_generate(*args, question_ids=None, **kwargs):
+        seen["question"].append(question_ids)
+        return real_generate(*args, question_ids=question_ids, **kwargs)
+
+    def spy_fork(self, *args, **kwargs):
+        twin = real_fork(self, *args, **kwargs)
+        seen["fork"].append((twin, twin.seq_lengths()))
+        return twin
+
+    monkeypatch.setattr(eval.evaluate, "prefill", spy_prefill)
+    monkeypatch.setattr(eval.evaluate, "generate_from", spy_generate)
+    monkeypatch.setattr(CompressedCache, "fork", spy_fork)
+    overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
+                 "benchmark.context_only=true", "benchmark.max_new_tokens=1"]  # fmt: skip
+    cfg, raw = run_cfg(tmp_path, overrides)
     run_job(cfg, config_yaml_of(cfg, raw))
     (record,) = read_records(cfg.job_dir / "records.jsonl")[0]
-    assert record["status"] == "ok" and record["protocol"] == "context_only"
-    # The question is fed after compression: TTFT includes it, and it is not in the compressed cache.
-    assert record["ttft"] > record["prefill_s"] + record["compress_s"]
-    assert record["kv_len"] > 0
+    assert record["status"] == "ok" and record["protocol"] == "context_only" and record["n_generated"] == 1
+    ((model, context_ids),), (question_ids,), ((cache, compressed),) = (
+        seen["prefill"],
+        seen["question"],
+        seen["fork"],
+    )
+    n_context, n_question = context_ids.shape[1], question_ids.shape[1]
+    assert n_question > 0 and record["context_length"] == n_context + n_question
+    full = prefill(model, torch.cat([context_ids, question_ids], dim=1), 1).cache
+    for layer, n_compressed in zip(cache.layers, compressed, strict=True):
+        assert n_compressed < n_context and layer.length == n_compressed + n_question
+        degrees = layer.log_degree
+        assert (degrees[..., :n_compressed] > 0).any()  # the context was merged ...
+        assert (degrees[..., n_compressed:] == 0).all()  # ... the question was not: degree 1 each
+    question_keys = cache.layers[0].keys[:, :, -n_question:]
+    torch.testing.assert_close(question_keys, full.layers[0].keys[:, :, n_context:])
 
 
 def test_torn_and_duplicate_lines_are_cleaned(tmp_path):
@@ -300,8 +446,10 @@ def test_wandb_offline_run_has_the_job_metrics(tmp_path, monkeypatch):
     assert b"toy/centroidkv@0.5/score" in data  # per-record history
     table = json.loads(next((runs[0] / "files" / "media" / "table").glob("samples_*.table.json")).read_text())
     records, _ = read_records(cfg.job_dir / "records.jsonl")
-    assert [row[1] for row in table["data"]] == [r["sample_id"] for r in records]
-    assert [row[5] for row in table["data"]] == [r["score"] for r in records]
+    column = {name: i for i, name in enumerate(table["columns"])}
+    assert [row[column["sample_id"]] for row in table["data"]] == [r["sample_id"] for r in records]
+    assert [row[column["score"]] for row in table["data"]] == [r["score"] for r in records]
+    assert [row[column["variant"]] for row in table["data"]] == [r["variant"] for r in records]
 
 
 # ------------------------------------------------------------------------------------------ outputs

@@ -8,7 +8,6 @@ import random
 import re
 import subprocess
 import sys
-import time
 from collections import Counter
 from itertools import accumulate
 
@@ -83,12 +82,6 @@ def test_length_fits_target(task, length, tok, samples):
         assert s["ruler_length"] >= 0.95 * length
         assert count_tokens(tok, s["input"]) == s["length"] <= length - s["max_new_tokens"]
         assert s["max_new_tokens"] == max_new_tokens(task)
-
-
-def test_generation_is_fast(tok):
-    start = time.perf_counter()
-    generate_samples("niah_multivalue", 8192, tok, 3, seed=5)
-    assert time.perf_counter() - start < 10
 
 
 # ----------------------------------------------------------------------------------------- construction
@@ -375,10 +368,24 @@ def test_qa_from_a_fake_hub(task, tok, monkeypatch):
         assert numbers == list(range(1, len(numbers) + 1))
         assert 0.95 * 2048 <= s["ruler_length"] <= 2048 and s["max_new_tokens"] == 32
         assert s["answer_prefix"] == " Answer:"
-    assert ruler_score_of(samples[0]) == 100.0
 
 
-def ruler_score_of(sample: dict) -> float:
-    from eval.metrics import ruler_score
+# ------------------------------------------------------------------------------------------- scoring
 
-    return ruler_score(sample["task"], f"It is {sample['answers'][-1]}.", sample["answers"])
+
+@pytest.mark.parametrize(
+    "task, answers, prediction, expected",
+    [
+        ("qa_1", ["answer-3-1", "Answer 3.1"], "I think answer-3-1.", 100.0),  # any reference: part match
+        ("qa_1", ["answer-3-1"], "answer-3-2", 0.0),
+        ("qa_2", ["ans1"], "The answer is ANS12", 100.0),  # RULER's containment rule, case-insensitive
+        ("niah_multivalue", ["1234567", "7654321", "1111111", "2222222"], "1234567, 2222222", 50.0),  # all
+        ("niah_single_1", ["7654321"], "76543 21", 0.0),
+        ("vt", ["ABCDE", "FGHIJ"], " abcde fghij\n", 100.0),
+        ("cwe", ["apple", "pear", "plum"], "apple pear", 200 / 3),
+    ],
+)
+def test_ruler_benchmark_scores_hand_made_predictions(task, answers, prediction, expected):
+    from eval.benchmarks.ruler import Ruler
+
+    assert Ruler().score({"task": task, "answers": answers}, prediction) == pytest.approx(expected)

@@ -1,0 +1,163 @@
+"""Benchmarks, one module each in this folder, found by discovery: the `benchmark.*` config of a run.
+
+A benchmark is a frozen dataclass whose fields are its parameters with their defaults (the only place
+they live: Hydra's `benchmark=<name>` options are built from them by `eval.config.store_configs`). It
+says what is wrong with its values (`validate`), builds its samples (`load`) and scores a prediction
+(`score`). Adding one is one module here:
+
+    @register_benchmark
+    @dataclass(frozen=True)
+    class MyBench(Benchmark):
+        name = "mybench"
+        tasks: tuple[str, ...] = ("a", "b")
+        lengths: tuple[int, ...] = (4096,)
+
+        def load(self, tokenizer) -> list[Sample]: ...
+        def score(self, sample: Sample, prediction: str) -> float: ...
+
+A sample is a dict with at least `task`, `length`, `input` (the user message), `answers` and
+`max_new_tokens`; `context`/`question` (the context-only protocol), `answer_prefix`,
+`use_chat_template`, `index`, `depth` are optional. Packages outside this repository register theirs
+through the `centroidkv.benchmarks` entry-point group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+Sample = dict[str, Any]
+
+ENTRY_POINT_GROUP = "centroidkv.benchmarks"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Parameters every benchmark has, and their checks.
+
+    tasks: the benchmark's tasks (or datasets) to run.
+    lengths: context lengths in tokens (what a length means is the benchmark's).
+    n_samples: samples per task and length.
+    seed: seed of generated samples.
+    max_new_tokens: cap on the per-task generation length (None: the benchmark's own).
+    context_only: compress the context only, then feed the question uncompressed.
+    ignore_eos: decode exactly max_new_tokens (speed runs).
+    """
+
+    name: ClassVar[str] = "base"
+
+    tasks: tuple[str, ...] = ()
+    lengths: tuple[int, ...] = ()
+    n_samples: int = 1
+    seed: int = 0
+    max_new_tokens: int | None = None
+    context_only: bool = False
+    ignore_eos: bool = False
+
+    # --- what a benchmark module provides ---------------------------------------------------
+    def load(self, tokenizer) -> list[Sample]:
+        """The samples, each with task, length, input, answers and max_new_tokens."""
+        raise NotImplementedError
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        """The benchmark's metric for one prediction, 0-100."""
+        raise NotImplementedError
+
+    def validate(self) -> list[str]:
+        """One line per bad value (empty when all is well); subclasses extend it."""
+        errors = []
+        if not self.tasks:
+            errors.append("benchmark.tasks: at least one task is needed")
+        if not self.lengths:
+            errors.append("benchmark.lengths: at least one context length is needed")
+        for length in self.lengths:
+            if not _is_int(length) or length < 16:
+                errors.append(
+                    f"benchmark.lengths: each length must be an integer >= 16 tokens, got {length!r}"
+                )
+        if not _is_int(self.n_samples) or self.n_samples < 1:
+            errors.append(f"benchmark.n_samples: must be an integer >= 1, got {self.n_samples!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            errors.append(f"benchmark.seed: must be an integer >= 0, got {self.seed!r}")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            errors.append(
+                f"benchmark.max_new_tokens: must be an integer >= 1 or null, got {self.max_new_tokens!r}"
+            )
+        for key in ("context_only", "ignore_eos"):
+            if not isinstance(getattr(self, key), bool):
+                errors.append(f"benchmark.{key}: must be true or false, got {getattr(self, key)!r}")
+        return errors
+
+    # --- shared ---------------------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        """The parameters with the name, as plain values (lists for tuples): a config node."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"name": self.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}}
+
+    def samples(self, tokenizer) -> list[Sample]:
+        """`load`'s samples interleaved across tasks and lengths (sample 0 of every task first), so
+        that a job stopped early still covers every task."""
+        samples = self.load(tokenizer)
+        order = {key: i for i, key in enumerate(dict.fromkeys((s["task"], s.get("length")) for s in samples))}
+        position: dict[tuple, int] = {}
+        ranked = []
+        for sample in samples:
+            key = (sample["task"], sample.get("length"))
+            position[key] = position.get(key, -1) + 1
+            ranked.append((position[key], order[key], sample))
+        return [sample for *_, sample in sorted(ranked, key=lambda item: item[:2])]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+REGISTRY: dict[str, type[Benchmark]] = {}
+
+
+def register_benchmark(cls: type[Benchmark]) -> type[Benchmark]:
+    """Class decorator: make a benchmark available as `benchmark=<cls.name>`."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _discover() -> None:
+    """Import every module of this package, then every `centroidkv.benchmarks` entry point."""
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        entry.load()
+
+
+def benchmark_names() -> list[str]:
+    _discover()
+    return sorted(REGISTRY)
+
+
+def build_benchmark(raw: dict[str, Any]) -> tuple[Benchmark | None, list[str]]:
+    """The benchmark a `benchmark` config node describes, and one error line per bad value."""
+    names = benchmark_names()
+    name = raw.get("name")
+    if name not in REGISTRY:
+        return None, [f"benchmark.name: unknown benchmark {name!r}; choose one of {', '.join(names)}"]
+    cls = REGISTRY[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    errors = [
+        f"benchmark.{key}: {name} has no such parameter; its parameters: {', '.join(fields)}"
+        for key in raw
+        if key != "name" and key not in fields
+    ]
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            continue
+        if isinstance(fields[key].default, tuple):  # list parameters: a single value is a list of one
+            value = () if value is None else tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        values[key] = value
+    benchmark = cls(**values)
+    return benchmark, errors + benchmark.validate()

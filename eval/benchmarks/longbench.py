@@ -1,0 +1,73 @@
+"""LongBench v1 (THUDM/LongBench): the 16 English and code datasets; append `_e` for LongBench-E.
+
+Data from the Hugging Face Hub, or from `data_dir` holding the same jsonl files. The one length is the
+truncation length of the prompt in tokens (LongBench's middle truncation); each dataset has its own
+generation length, prompt and metric (`eval.longbench`, `eval.metrics.longbench_score`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval.benchmarks import Benchmark, Sample, register_benchmark
+from eval.longbench.constants import E_DATASETS, EN_DATASETS
+
+
+@register_benchmark
+@dataclass(frozen=True)
+class LongBench(Benchmark):
+    name = "longbench"
+
+    tasks: tuple[str, ...] = EN_DATASETS
+    lengths: tuple[int, ...] = (31500,)
+    n_samples: int = 200  # per dataset (LongBench has at most 200)
+    data_dir: str | None = None
+
+    def validate(self) -> list[str]:
+        errors = super().validate()
+        for task in self.tasks:
+            base = task.removesuffix("_e") if isinstance(task, str) else task
+            if base not in EN_DATASETS:
+                errors.append(
+                    f"benchmark.tasks: unknown LongBench dataset {task!r}; choose from {', '.join(EN_DATASETS)}"
+                )
+            elif task.endswith("_e") and base not in E_DATASETS:
+                errors.append(
+                    f"benchmark.tasks: {base} is not in LongBench-E; its datasets: {', '.join(E_DATASETS)}"
+                )
+        if len(self.lengths) > 1:
+            errors.append(
+                f"benchmark.lengths: LongBench takes one truncation length, got {list(self.lengths)}"
+            )
+        if self.data_dir is not None and not Path(str(self.data_dir)).is_dir():
+            errors.append(f"benchmark.data_dir: no such folder {self.data_dir!r}")
+        return errors
+
+    def load(self, tokenizer) -> list[Sample]:
+        from eval.longbench import load_samples
+
+        max_length = self.lengths[0]
+        samples = []
+        for dataset in self.tasks:
+            rows = load_samples(
+                dataset.removesuffix("_e"),
+                tokenizer,
+                data_dir=self.data_dir,
+                max_length=max_length,
+                n=self.n_samples,
+                e=dataset.endswith("_e"),
+            )
+            # `length` is the truncation length (the table's context); LongBench's own length field
+            # (words, for the LongBench-E buckets) is kept as source_length.
+            samples.extend(
+                {**row, "task": dataset, "length": max_length, "source_length": row.get("length")}
+                for row in rows
+            )
+        return samples
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        from eval.metrics import longbench_score
+
+        dataset = sample.get("dataset") or sample["task"].removesuffix("_e")
+        return float(longbench_score(dataset, prediction, sample["answers"], sample.get("all_classes")))
