@@ -120,12 +120,10 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
     timer = Timer(ids.device)
     with timer.span() as prefill:
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
-    compressed = [layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers]
-    degrees = [0 if layer.log_degree is None else layer.log_degree.numel() * 4 for layer in cache.layers]
-    whole_layer = ids.numel() * model.config.num_key_value_heads * 2 * cache.layers[0].keys.shape[-1]
-    whole_layer *= cache.layers[0].keys.element_size()
-    # While layer l runs, layers < l are compressed and l holds its prompt (its degrees are all 0).
-    prefill_peak = max(sum(compressed[:i]) + sum(degrees[:i]) + whole_layer for i in range(len(compressed)))
+    compressed = [sum(t.numel() * t.element_size() for t in layer.stored_tensors()) for layer in cache.layers]
+    whole_layer = cache.full_kv_bytes() // len(cache.layers)  # one layer's keys and values of the prompt
+    # While layer l runs, layers < l are compressed and l holds its whole prompt.
+    prefill_peak = max(sum(compressed[:i]) + whole_layer for i in range(len(compressed)))
     peak = max(cache.kv_bytes(), prefill_peak)
     token = logits[:, -1].argmax(-1, keepdim=True)
     times = []
