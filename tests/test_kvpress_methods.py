@@ -151,17 +151,18 @@ def test_missing_kvpress_is_one_line_naming_the_extra(monkeypatch):
     assert str(error.value) == 'kvpress is not installed: pip install -e ".[kvpress]"'
 
 
-@pytest.mark.parametrize(
-    "override,word",
-    [
-        ("method.params.press=NoSuchPress", "unknown press 'NoSuchPress'"),
-        ("+method.params.press_params.window_sz=3", "unknown parameter(s) window_sz"),
-    ],
-)
-def test_bad_press_or_parameter_exits_2_with_one_line_before_loading(tmp_path, override, word):
-    """model=llama3.1-8b cannot load here (no Hub): exit code 2 and one line prove nothing loaded."""
+def test_bad_press_and_parameter_exit_2_with_one_line_each_before_loading(tmp_path):
+    """model=llama3.1-8b cannot load here (no Hub): exit code 2 and one line per bad value (an unknown
+    press in `method`, a bad press parameter in a `methods` entry) prove nothing loaded."""
+    bad_entry = "{name: kvpress, variant: bad, params: {press: SnapKVPress, press_params: {window_sz: 3}}}"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "run.py"), "method=kvpress", override]
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "run.py"),
+            "method=kvpress",
+            "method.params.press=NoSuchPress",
+        ]
+        + [f"methods=[kvpress,{bad_entry}]"]
         + ["model=llama3.1-8b", "logger=none", f"results_dir={tmp_path / 'results'}"],
         capture_output=True,
         text=True,
@@ -169,7 +170,8 @@ def test_bad_press_or_parameter_exits_2_with_one_line_before_loading(tmp_path, o
         timeout=300,
     )
     errors = [line for line in run.stderr.splitlines() if line.startswith("config error:")]
-    assert run.returncode == 2 and len(errors) == 1 and word in errors[0], run.stderr[-1500:]
+    assert run.returncode == 2 and len(errors) == 2, run.stderr[-1500:]
+    assert "unknown press 'NoSuchPress'" in errors[0] and "unknown parameter(s) window_sz" in errors[1]
     assert not (tmp_path / "results").exists()
 
 
