@@ -81,6 +81,9 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
             "centroidkv: outlier heads need the model (a cache on a model prepared by centroidkv)"
         )
     name = getattr(model, "centroidkv_name", "")
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+    if round(fraction * shape[0] * shape[1]) == 0:  # no head to keep whole: nothing to read or calibrate
+        return {}
     if str(source) == "auto":
         path = next((p for p in (user_head_file(name), packaged_head_file(name)) if p.is_file()), None)
         if path is None:
@@ -89,7 +92,6 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
     else:
         path = Path(source)
     data = read_head_file(path)
-    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
     if data["model"] != name or (data["n_layers"], data["n_kv_heads"]) != shape:
         raise ValueError(
             f"centroidkv: outlier_heads file {path} is for {data['model']!r} with {data['n_layers']} x "

@@ -50,9 +50,10 @@ def main() -> None:
         scores[record["sample_id"]][(record.get("variant") or record["method"], record["budget"])] = record[
             "score"
         ]
-    samples = sorted(scores)
     variants = sorted({v for per in scores.values() for v, _ in per if factor_levels(v)})
     budgets = sorted({b for per in scores.values() for v, b in per if factor_levels(v)})
+    # only samples every (variant, budget) has run on (a running job has a partial last sample)
+    samples = sorted(s for s, per in scores.items() if all((v, b) in per for v in variants for b in budgets))
     rng = np.random.default_rng(0)
     draws = rng.integers(0, len(samples), size=(2000, len(samples)))
     rows = []
