@@ -70,6 +70,27 @@ def main() -> None:
                 boot = per_sample[draws].mean(axis=1)
                 rows.append((factor, level, budget, per_sample.mean(), *np.percentile(boot, [2.5, 97.5])))
     print(f"{len(samples)} samples, {len(variants)} variants\n")
+    ratio: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for record in records:
+        if record["sample_id"] in samples and record.get("kv_ratio") is not None:
+            ratio[(record.get("variant") or record["method"], record["budget"])].append(record["kv_ratio"])
+    entries = sorted({v for s in samples for v, _ in scores[s]})
+    table = []
+    for entry in entries:
+        means = [
+            np.mean([scores[s][(entry, b)] for s in samples]) if (entry, b) in scores[samples[0]] else None
+            for b in budgets
+        ]
+        if means[0] is None:  # the full cache runs at budget 1 only
+            means = [np.mean([scores[s][(entry, 1.0)] for s in samples])] * len(budgets)
+        kv = [np.mean(ratio[(entry, b)]) if ratio[(entry, b)] else 1.0 for b in budgets]
+        table.append((float(np.mean(means)), entry, means, kv))
+    print("| configuration | " + " | ".join(f"score {b} (KV ratio)" for b in budgets) + " | mean |")
+    print("|---|" + "---|" * (len(budgets) + 1))
+    for mean, entry, means, kv in sorted(table, reverse=True):
+        cells = [f"{m:.1f} ({k:.3f})" for m, k in zip(means, kv, strict=True)]
+        print(f"| {entry} | " + " | ".join(cells) + f" | {mean:.1f} |")
+    print()
     print("| factor | level | " + " | ".join(f"budget {b}" for b in budgets) + " |")
     print("|---|---|" + "---|" * len(budgets))
     for factor in FACTORS:

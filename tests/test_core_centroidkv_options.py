@@ -66,13 +66,15 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
 
 
 def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_path):
-    """outlier_heads="none" (the default) = Chunked Soft Matching on every head, as before the option."""
+    """outlier_heads="none" = Chunked Soft Matching on every head, as before the option (with the
+    parameters of that time: post-RoPE, constant r = 0.5)."""
     recorder = CompressedCache("full", 1.0, 0)
     tiny_model(prompt(300), past_key_values=recorder)
     zero = head_file(tmp_path, tiny_model, [[1.0, 2.0]] * 2)
+    before = dict(chunk_size=32, similarity="post_rope", schedule="linear", r_init=0.5, delta_r=0.0)
     for method in (
-        get_method("centroidkv", chunk_size=32),
-        get_method("centroidkv", chunk_size=32, outlier_heads=zero, outlier_fraction=0.0),
+        get_method("centroidkv", outlier_heads="none", **before),
+        get_method("centroidkv", outlier_heads=zero, outlier_fraction=0.0, **before),
     ):
         cache = recorder.fork(method, 0.4)
         for source, layer in zip(recorder.layers, cache.layers, strict=True):
