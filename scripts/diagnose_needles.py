@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
+from eval.metrics import string_match_all  # noqa: E402
 from eval.ruler import haystack as hs  # noqa: E402
 from eval.ruler.constants import TASKS  # noqa: E402
 from eval.ruler.tasks import generate_samples  # noqa: E402
-from eval.runner import encode_prompt, string_match  # noqa: E402
+from eval.samples import encode_prompt  # noqa: E402
 
 NEEDLE = Need("needle")
 VALUE_KINDS = ("7-digit numbers", "3-digit numbers", "words")
@@ -158,7 +159,9 @@ def main() -> None:
                         del cache
                     result = generate_from(model, pre, method, budget, args.max_new_tokens)
                     text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
-                    scores.setdefault((kind, name, budget), []).append(string_match(text, sample["answers"]))
+                    scores.setdefault((kind, name, budget), []).append(
+                        100 * string_match_all(text, sample["answers"])
+                    )
             del pre
 
     print(
