@@ -21,8 +21,8 @@ decoding steps), per (batch, KV head) of the mergeable middle:
 
 Degrees: CaM's merged value is an additive correction, not a centroid, and the paper's attention has
 no degree term, so kept tokens keep their log-degree (0): `merges` is False and attention is exactly
-what the CaM paper computes. (DESIGN.md lists CaM among the methods that update log_degree; adding
-log n here would double-count the merged tokens.)
+what the CaM paper computes. (It is sometimes grouped with the merging methods that update
+log_degree; adding log n here would double-count the merged tokens.)
 
 Parameters:
   merge_budget: m, kept neighbours an evicted value is spread over (kvpress's CAMPress: 32).

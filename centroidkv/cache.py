@@ -1,6 +1,6 @@
 """The compressed KV cache: keys, values and log-degrees per layer, and the paper's budget policy.
 
-Budget (PAPER.md): B = R * (n + Gamma) tokens per layer, R the budget ratio, n the prompt length,
+Budget (docs/method.md, section 2): B = R * (n + Gamma) tokens per layer, R the budget ratio, n the prompt length,
 Gamma the maximum number of new tokens. After the prefill forward the cache is compressed to B when
 n > B; while decoding it is compressed back to B whenever it reaches B + g (g = the method's
 `compress_interval`). The first `n_sink` and last `n_recent` tokens are never given to the method.
