@@ -435,8 +435,9 @@ class CompressedCache(Cache):
         return self.kv_bytes() / full if full else float("nan")
 
     def seq_lengths(self) -> list[int]:
-        """Stored entries per layer, the longest head (the physical length, not the tokens seen)."""
-        return [max(layer.head_lengths(), default=0) for layer in self.layers]
+        """Stored entries per layer of its compressed heads (the physical length the budget governs, not
+        the tokens seen); heads kept whole hold every token seen (`head_lengths`)."""
+        return [layer.length for layer in self.layers]
 
     def head_lengths(self) -> list[list[int]]:
         """Stored entries per (layer, KV head)."""

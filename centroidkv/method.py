@@ -102,6 +102,10 @@ class CentroidKV(Method):
 
             read_head_file(self.outlier_heads)  # a missing or malformed file fails here, with one line
 
+    @property
+    def rows_independent(self) -> bool:
+        return self.schedule != "adaptive"  # its merge count averages over the batch's rows
+
     def needs(self) -> tuple[Need, ...]:
         return (POSITION,) if self.similarity == "pre_rope" else ()
 

@@ -98,6 +98,12 @@ class Method:
         """How many of the latest query states `LayerStats.queries` must hold (0: none)."""
         return gather_needs(self.needs()).get("queries", 0)
 
+    @property
+    def rows_independent(self) -> bool:
+        """Whether each batch row is compressed as if alone (False when a data-driven count is shared
+        by the rows of a batch, e.g. CentroidKV's adaptive schedule: tensors stay rectangular)."""
+        return True
+
     def check_model(self, model_name: str) -> None:
         """Raise ValueError when this method's parameters cannot run on `model_name` (checked by the
         runner's config validation, before any model loads). Nothing to check by default."""

@@ -11,6 +11,8 @@ merges at least one token per round and never more than the excess, so the budge
   (per head, averaged over the heads so tensors stay rectangular), but at least floor(r_min * |A|).
   The data decide: when a few edges stand out (a skewed distribution), few merge; when most tokens
   have a near-duplicate, many do. No per-model constant; r_min only bounds the number of rounds.
+  The count is shared by the rows of a batch (rectangular tensors), so a batched run differs from
+  single-prompt runs (`Method.rows_independent`).
 """
 
 from __future__ import annotations

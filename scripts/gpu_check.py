@@ -160,7 +160,10 @@ def compression_cost(report: Report, args) -> dict:
     from centroidkv.decoding import Timer
     from centroidkv.methods import LayerKV, LayerStats
 
-    csm, timer = get_method("centroidkv"), Timer(args.device)
+    csm, timer = (
+        get_method("centroidkv", similarity="post_rope"),
+        Timer(args.device),
+    )  # raw CSM: no model, no positions
 
     def layer(n: int) -> LayerKV:
         keys = correlated_keys(8, n, 128).to(args.device, args.dtype)

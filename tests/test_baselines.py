@@ -151,7 +151,7 @@ def test_batch_of_two_matches_single_prompts(model, name):
     for _ in range(steps):
         tokens.append(greedy_step(model, batched, tokens[-1]))
     assert all(layer.keys.shape[0] == 2 for layer in batched.layers)
-    if name == "cam":
+    if name == "cam" or not get_method(name).rows_independent:  # CentroidKV adaptive: one count per batch
         return
     for row in range(2):
         single = CompressedCache(get_method(name), BUDGET, steps)
