@@ -151,11 +151,7 @@ class CompressedLayer(DynamicLayer):
         n_sink, n_recent = method.n_sink, method.n_recent
         if length <= budget:
             return
-        if budget < n_sink + n_recent + 1:
-            raise ValueError(
-                f"{method.name}: a budget of {budget} tokens cannot hold n_sink={n_sink} + n_recent={n_recent} "
-                "protected tokens; raise the budget or lower n_sink/n_recent"
-            )
+        self.check_protected_fit()
         middle = slice(n_sink, length - n_recent)
         log_degree = self.degrees_or_zeros()
         segment = LayerKV(
@@ -188,6 +184,15 @@ class CompressedLayer(DynamicLayer):
         if self.attention_sum is not None:
             self.attention_sum = splice(self.attention_sum, kept.attention_sum)
         self.n_compressions += 1
+
+    def check_protected_fit(self) -> None:
+        """Raise when this layer's budget cannot hold the protected sinks and recent window."""
+        method, budget = self.owner.method, self.budget_len
+        if budget < method.n_sink + method.n_recent + 1:
+            raise ValueError(
+                f"{method.name}: a budget of {budget} tokens cannot hold n_sink={method.n_sink} + "
+                f"n_recent={method.n_recent} protected tokens; raise the budget or lower n_sink/n_recent"
+            )
 
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place)."""
@@ -299,6 +304,14 @@ class CompressedCache(Cache):
                 raise ValueError(f"{twin.method.name} needs a query window the source cache did not keep")
         twin.compress_now()
         return twin
+
+    def check_room(self, n_new_tokens: int) -> None:
+        """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
+        whose budget cannot hold the protected tokens (known as soon as the prompt is in)."""
+        for layer in self.layers:
+            limit = layer.budget_len + self.method.compress_interval - 1  # as in needs_compression
+            if self.method.compresses and layer.length + n_new_tokens > limit:
+                layer.check_protected_fit()
 
     def kv_bytes(self) -> int:
         """Bytes held by the cache's own tensors: keys, values and log-degrees."""
