@@ -44,7 +44,7 @@ RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,repr
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables ablate
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
@@ -61,6 +61,13 @@ sweep-r: $(STAMP)
 	$(PYTHON) scripts/run.py -m experiment=sweep_r model=$(MODEL) method.params.r_init=$(R_VALUES) $(ARGS)
 	$(PYTHON) scripts/tables.py results/sweep_r
 	$(PYTHON) scripts/figures.py results/sweep_r
+
+# CentroidKV's ablation (similarity x outlier heads x schedule x chunk size, a half fraction; one job,
+# one prefill per sample): ranking table, figures. About 40 min on 2 CPU cores.
+ablate: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=ablate_centroidkv model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/tables.py results/ablate_centroidkv
+	$(PYTHON) scripts/figures.py results/ablate_centroidkv
 
 speed: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=speed model=$(MODEL) $(ARGS)

@@ -85,5 +85,5 @@ class CaM(H2O):
         values = kv.values.float().scatter_add(
             2, targets.flatten(2).unsqueeze(-1).expand(-1, -1, -1, head_dim), contribution
         )
-        merged_kv = LayerKV(kv.keys, values.to(kv.values.dtype), kv.log_degree, kv.attention_sum)
+        merged_kv = LayerKV(kv.keys, values.to(kv.values.dtype), kv.log_degree, kv.extras)
         return merged_kv.select(kept)

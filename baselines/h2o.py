@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from baselines._select import top_k_in_order
-from centroidkv.methods import LayerKV, LayerStats, Method, check_float, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_float, register
+from centroidkv.needs import ATTENTION_SUM
 
 
 @register
@@ -37,10 +38,12 @@ from centroidkv.methods import LayerKV, LayerStats, Method, check_float, registe
 class H2O(Method):
     name = "h2o"
     label = "H2O"
-    accumulates_attention = True
 
     n_sink: int = 0
     recent_ratio: float = 0.5
+
+    def needs(self) -> tuple[Need, ...]:
+        return (ATTENTION_SUM,)
 
     def validate(self) -> None:
         super().validate()

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from centroidkv.methods import LayerKV, LayerStats, Method, _check_int, register
+from centroidkv.needs import pool_extras
 
 INITS = ("uniform", "random")
 BLOCK_ELEMENTS = 1 << 26
@@ -148,15 +149,11 @@ def kmeans_compress(
     total_degree = torch.zeros(batch, heads, k, device=degree.device).scatter_add_(2, cluster, degree)
     keys = cluster_sums(kv.keys, cluster, degree, k) / total_degree.unsqueeze(-1)
     values = cluster_sums(kv.values, cluster, degree, k) / total_degree.unsqueeze(-1)
-    attention_sum = None
-    if kv.attention_sum is not None:
-        attention_sum = torch.zeros_like(total_degree).scatter_add_(2, cluster, kv.attention_sum.float())
-        attention_sum = attention_sum.to(kv.attention_sum.dtype)
     merged = LayerKV(
         keys.to(kv.keys.dtype),
         values.to(kv.values.dtype),
         total_degree.log().to(kv.log_degree.dtype),
-        attention_sum,
+        pool_extras(kv.extras, cluster, degree, k),
     )
     order = first_members(cluster, k).argsort(dim=-1)
     return merged.select(order)

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from baselines._select import top_k_in_order
 from centroidkv.cache import causal_allowed
-from centroidkv.methods import LayerKV, LayerStats, Method, _check_int, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, _check_int, register
+from centroidkv.needs import query_window
 
 POOLINGS = ("avgpool", "maxpool")
 
@@ -85,9 +86,8 @@ class SnapKV(Method):
     kernel_size: int = 5
     pooling: str = "avgpool"
 
-    @property
-    def query_window(self) -> int:
-        return self.window_size
+    def needs(self) -> tuple[Need, ...]:
+        return query_window(self.window_size)
 
     def validate(self) -> None:
         super().validate()

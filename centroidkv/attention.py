@@ -10,6 +10,9 @@ forward pre-hook that reads the `past_key_values` argument (no model forward is 
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,6 +20,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from centroidkv.cache import CompressedCache, causal_allowed
+from centroidkv.flex import fused_attention
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -35,6 +39,9 @@ def degree_attention(
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
+    When the layer keeps some KV heads whole (`CompressedLayer.whole_heads`), `key`/`value` hold the
+    compressed heads only and the whole heads are read from the layer: each group runs its own
+    attention, a query head with the group of its KV head.
     The argument order is transformers' own (`dropout` before `scaling`): wrappers such as kvpress's
     pass them positionally.
     """
@@ -43,28 +50,61 @@ def degree_attention(
             "centroidkv attention builds its own causal mask; custom masks are not supported"
         )
     layer = getattr(module, "kv_layer", None)
-    q_len, head_dim = query.shape[2], query.shape[3]
-    kv_len, group = key.shape[2], query.shape[1] // key.shape[1]
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
     log_degree = None if layer is None else layer.log_degree
-    scale = scaling if scaling is not None else head_dim**-0.5
-    received = None
-    if layer is not None and layer.tracks_attention:
+    tracks = layer is not None and layer.tracks_attention
+    if layer is None or layer.whole_heads is None:
+        output, received = _group_attention(query, key, value, log_degree, scaling, scale, dropout, tracks)
+    else:
+        group = query.shape[1] // (len(layer.compressed_heads) + len(layer.whole_heads))
+        by_kv_head = query.unflatten(1, (-1, group))  # [B, Hkv, group, q, D]
+        compressed_q = by_kv_head[:, layer.compressed_heads].flatten(1, 2)
+        whole_q = by_kv_head[:, layer.whole_heads].flatten(1, 2)
+        compressed, received = _group_attention(
+            compressed_q, key, value, log_degree, scaling, scale, dropout, tracks
+        )
+        whole, _ = _group_attention(
+            whole_q, layer.whole_keys, layer.whole_values, None, scaling, scale, dropout, False
+        )
+        # back to the model's head order: KV head h's query heads are rows h * group .. h * group + group - 1
+        order = torch.cat([layer.compressed_heads, layer.whole_heads]).argsort()
+        output = torch.cat([compressed.unflatten(2, (-1, group)), whole.unflatten(2, (-1, group))], dim=2)
+        output = output[:, :, order].flatten(2, 3)
+    if layer is not None:
+        layer.after_attention(query, scale, received)
+    return output, None
+
+
+def _group_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    log_degree: Tensor | None,
+    scaling: float | None,
+    scale: float,
+    dropout: float,
+    tracks: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One group of heads -> (output [B, q, Hq, D], received [B, Hkv, T] or None)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if query.shape[1] == 0:  # every head of the layer is in the other group
+        return query.new_empty(query.shape[0], q_len, 0, query.shape[3]), None
+    group = query.shape[1] // key.shape[1]
+    if tracks:
         # H2O-style methods need the attention every entry receives: one pass computes both.
         if dropout:
             raise NotImplementedError("accumulating attention needs dropout 0 (inference)")
         output, received = attention_with_received(query, key, value, log_degree, scale)
-        output = output.transpose(1, 2).contiguous()
-    elif log_degree is None and (q_len == 1 or q_len == kv_len):
+        return output.transpose(1, 2).contiguous(), received
+    if (fused := fused_attention(query, key, value, log_degree, scale, dropout)) is not None:
+        return fused, None  # FlexAttention / flash-attn on CUDA (centroidkv.flex)
+    if log_degree is None and (q_len == 1 or q_len == kv_len):
         # All degrees 1 and no offset between queries and keys: SDPA's own causal / GQA path.
         output = F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=q_len > 1, scale=scaling, enable_gqa=group > 1
         )
-        output = output.transpose(1, 2).contiguous()
-    else:
-        output = _biased_attention(query, key, value, log_degree, scaling, dropout)
-    if layer is not None:
-        layer.after_attention(query, scale, received)
-    return output, None
+        return output.transpose(1, 2).contiguous(), None
+    return _biased_attention(query, key, value, log_degree, scaling, dropout), None
 
 
 def attention_with_received(
@@ -157,13 +197,18 @@ def no_padding_mask(*, attention_mask: Tensor | None = None, **kwargs) -> None:
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, degree_attention)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_padding_mask)
 
 
-def _bind_cache_layer(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("past_key_values")
+def _bind_cache_layer(
+    module: nn.Module, args: tuple, kwargs: dict, model_ref: weakref.ref, rotary: nn.Module | None
+) -> None:
+    # transformers 5.2 passes the cache as `past_key_values`; later versions may name it differently.
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if isinstance(cache, CompressedCache) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         cache.n_layers = module.config.num_hidden_layers
+        cache.rotary, cache.model_ref = rotary, model_ref
         module.kv_layer = cache.layer(module.layer_idx)
     else:
         module.kv_layer = None
@@ -173,17 +218,32 @@ def _unbind_cache_layer(module: nn.Module, args: tuple, kwargs: dict, output) ->
     module.kv_layer = None  # the model must not keep the last cache alive
 
 
-def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
-    """Switch a loaded model to degree-aware attention and hook its attention modules (idempotent)."""
+def rotary_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's rotary embedding module (the one computing cos/sin from position ids), if any."""
+    found = [
+        m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")
+    ]
+    return found[0] if found else None
+
+
+def prepare_model(model: PreTrainedModel, name: str | None = None) -> PreTrainedModel:
+    """Switch a loaded model to degree-aware attention and hook its attention modules (idempotent).
+
+    `name` (e.g. "smollm2-135m") identifies the model for per-model data such as CentroidKV's
+    calibrated outlier heads; it defaults to the config's `name_or_path`.
+    """
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if name is not None or not hasattr(model, "centroidkv_name"):
+        model.centroidkv_name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
     if getattr(model, "_centroidkv_prepared", False):
         return model
     attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
     if not attention_modules:
         raise ValueError(f"{type(model).__name__}: no attention modules with a layer_idx were found")
+    bind = functools.partial(_bind_cache_layer, model_ref=weakref.ref(model), rotary=rotary_embedding(model))
     for module in attention_modules:
-        module.register_forward_pre_hook(_bind_cache_layer, with_kwargs=True)
+        module.register_forward_pre_hook(bind, with_kwargs=True)
         module.register_forward_hook(_unbind_cache_layer, with_kwargs=True)
     model._centroidkv_prepared = True
     return model

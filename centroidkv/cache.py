@@ -10,6 +10,23 @@ Compression happens at the end of each layer's attention call (the attention fun
 layer's full-size tensors are released as soon as that layer is done. Tensors are replaced by
 smaller ones: memory shrinks for real.
 
+What a method needs recorded (accumulated attention, query windows, positions) is declared by the
+method and kept by one mechanism (`centroidkv.needs`).
+
+Layout of one layer (`CompressedLayer`):
+  keys, values     [B, H_c, T, D]   the compressed KV heads (every head unless the method keeps some whole)
+  log_degree       [B, H_c, T]      float32 log of each entry's degree (None while all degrees are 1)
+  extras[name]     [B, H_c, T]      entry records, aligned with the entries (float32)
+  windows[name]    [B, H_q, w, ...] window records, all query heads (e.g. the last w queries)
+  whole_keys/values [B, H_o, n, D]  the KV heads kept whole (CentroidKV's outlier heads): every token
+                                    seen, never compressed; `whole_heads` [H_o] and
+                                    `compressed_heads` [H_c] give the KV head ids of the two groups.
+The heads are split at a layer's first compression, only when `Method.kept_whole` names heads for
+it; until then (and for every other method) keys/values hold all heads and the whole_* are None.
+The attention function runs the two groups separately (a query head attends to its KV head's group).
+Heads kept whole are on top of the budget B, which applies to the compressed heads (as in the paper);
+`kv_bytes()` counts every stored tensor and `kv_ratio()` relates it to the full cache.
+
 Two lengths are kept apart: `get_seq_length()` reports the tokens *seen* (transformers derives
 position ids from it, and new tokens must keep their original positions), while the physical length
 (`seq_lengths()`, `get_mask_sizes`) is what is stored.
@@ -18,19 +35,20 @@ position ids from it, and new tokens must keep their original positions), while 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
+from centroidkv.needs import RECORDERS, Need, gather_needs
 
 
 class CompressedLayer(DynamicLayer):
-    """One layer's entries: `keys`/`values` [B, H, T, D], `log_degree` [B, H, T] (None = all degrees 1)."""
+    """One layer's entries and records (layout in the module docstring)."""
 
     def __init__(self, owner: CompressedCache, layer_idx: int):
         super().__init__()
@@ -39,8 +57,13 @@ class CompressedLayer(DynamicLayer):
         self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.log_degree: Tensor | None = None
-        self.attention_sum: Tensor | None = None  # [B, H, T], for methods that accumulate attention
-        self.queries: Tensor | None = None  # the latest query states, for query-aware methods
+        self.extras: dict[str, Tensor] = {}  # entry records [B, H_c, T] (centroidkv.needs)
+        self.windows: dict[str, Tensor] = {}  # window records, e.g. "queries" [B, H_q, w, D]
+        # Heads kept whole (set at the first compression when the method keeps some, else None):
+        self.compressed_heads: Tensor | None = None  # KV head ids held by keys / values, [H_c]
+        self.whole_heads: Tensor | None = None  # KV head ids held by whole_keys / whole_values, [H_o]
+        self.whole_keys: Tensor | None = None  # [B, H_o, n_seen, D], never compressed
+        self.whole_values: Tensor | None = None
         self.scaling: float = 1.0
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
@@ -53,6 +76,14 @@ class CompressedLayer(DynamicLayer):
             raise RuntimeError("this cache layer outlived its CompressedCache")
         return owner
 
+    @property
+    def attention_sum(self) -> Tensor | None:
+        return self.extras.get("attention_sum")
+
+    @property
+    def queries(self) -> Tensor | None:
+        return self.windows.get("queries")
+
     # --- transformers' layer interface -------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
         if self.owner.n_layers is None:
@@ -60,15 +91,21 @@ class CompressedLayer(DynamicLayer):
                 "CompressedCache needs a model prepared by centroidkv (load_model or prepare_model): "
                 "its attention adds log-degrees and triggers compression"
             )
+        if self.whole_heads is not None:  # heads kept whole grow in their own tensors
+            self.whole_keys = torch.cat([self.whole_keys, key_states[:, self.whole_heads]], dim=2)
+            self.whole_values = torch.cat([self.whole_values, value_states[:, self.whole_heads]], dim=2)
+            key_states, value_states = (
+                key_states[:, self.compressed_heads],
+                value_states[:, self.compressed_heads],
+            )
         keys, values = super().update(key_states, value_states, cache_kwargs)
         batch, heads, new_tokens = key_states.shape[:3]
-        zeros = key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32)
         if self.log_degree is not None:
+            zeros = key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32)
             self.log_degree = torch.cat([self.log_degree, zeros], dim=-1)
-        if self.owner.tracks_attention:
-            self.attention_sum = (
-                zeros if self.attention_sum is None else torch.cat([self.attention_sum, zeros], -1)
-            )
+        for name in self.owner.entry_needs:
+            new = RECORDERS[name].initial(self.n_seen, (batch, heads, new_tokens), key_states.device)
+            self.extras[name] = torch.cat([self.extras[name], new], dim=-1) if name in self.extras else new
         if self.prompt_len is None:
             self.prompt_len = new_tokens
         self.n_seen += new_tokens
@@ -93,19 +130,47 @@ class CompressedLayer(DynamicLayer):
         self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _map_batch(self, fn) -> None:
-        for attr in ("keys", "values", "log_degree", "attention_sum", "queries"):
+        for attr in ("keys", "values", "log_degree", "whole_keys", "whole_values"):
             tensor = getattr(self, attr)
             if tensor is not None and tensor.numel() > 0:
                 setattr(self, attr, fn(tensor))
+        for records in (self.extras, self.windows):
+            for name, tensor in records.items():
+                records[name] = fn(tensor)
 
     # --- compression -----------------------------------------------------------------------------
     @property
     def tracks_attention(self) -> bool:
-        return self.owner.tracks_attention
+        """Whether the attention function must compute the attention each entry receives."""
+        return any(RECORDERS[name].uses_received for name in self.owner.entry_needs)
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
+        """Entries per compressed head (the heads kept whole hold `n_seen`)."""
+        return 0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[-2]
+
+    def head_lengths(self) -> list[int]:
+        """Entries per KV head, in head order."""
+        if self.whole_heads is None:
+            return [self.length] * (0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[1])
+        lengths = [0] * (len(self.compressed_heads) + len(self.whole_heads))
+        for head in self.compressed_heads.tolist():
+            lengths[head] = self.length
+        for head in self.whole_heads.tolist():
+            lengths[head] = self.whole_keys.shape[2]
+        return lengths
+
+    def stored_tensors(self) -> list[Tensor]:
+        """Everything this layer stores for its method: entries, degrees, entry records, whole heads."""
+        parts = [
+            self.keys,
+            self.values,
+            self.log_degree,
+            *self.extras.values(),
+            self.whole_keys,
+            self.whole_values,
+        ]
+        return [t for t in parts if t is not None]
 
     @property
     def budget_len(self) -> int | None:
@@ -123,33 +188,55 @@ class CompressedLayer(DynamicLayer):
     def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
         """Called by the attention function once this layer's attention output is computed.
 
-        `received` ([B, H_kv, T]): the attention each entry got from `query`, which the attention
-        function computes alongside its output when the cache tracks attention.
+        `received` ([B, H_c, T]): the attention each compressed-head entry got from `query`, which
+        the attention function computes alongside its output when the cache tracks attention.
         """
         self.scaling = scaling
-        if window := self.owner.query_window:
-            recent = query if self.queries is None else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -window:]
-        if self.tracks_attention:
-            if received is None:
-                raise RuntimeError("this cache tracks attention: the attention function must pass `received`")
-            self.attention_sum = self.attention_sum + received
+        for name, window in self.owner.window_needs.items():
+            self.windows[name] = RECORDERS[name].after_attention(self.windows.get(name), query, None)[
+                :, :, -window:
+            ]
+        for name in self.owner.entry_needs:
+            if RECORDERS[name].uses_received and received is None:
+                raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
+            self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)
         if self.needs_compression():
             self.compress()
 
     def needs_compression(self) -> bool:
-        if not (self.owner.compression_enabled and self.owner.method.compresses):
+        if not (self.owner.compression_enabled and self.owner.method.compresses) or self.length == 0:
+            return False
+        if self.keys.shape[1] == 0:  # every head is kept whole
             return False
         limit = self.budget_len
         if self.n_seen > self.prompt_len:  # decoding: let g tokens accumulate before re-compressing
             limit += self.owner.method.compress_interval - 1
         return self.length > limit
 
+    def split_heads(self, whole: list[int]) -> None:
+        """Move the KV heads `whole` into their own tensors, kept whole from now on."""
+        n_heads = self.keys.shape[1]
+        if any(not 0 <= head < n_heads for head in whole):
+            raise ValueError(f"layer {self.layer_idx}: heads kept whole {whole} outside 0..{n_heads - 1}")
+        device = self.keys.device
+        self.whole_heads = torch.tensor(sorted(whole), dtype=torch.long, device=device)
+        self.compressed_heads = torch.tensor(
+            [h for h in range(n_heads) if h not in whole], dtype=torch.long, device=device
+        )
+        self.whole_keys, self.whole_values = self.keys[:, self.whole_heads], self.values[:, self.whole_heads]
+        self.keys, self.values = self.keys[:, self.compressed_heads], self.values[:, self.compressed_heads]
+        if self.log_degree is not None:
+            self.log_degree = self.log_degree[:, self.compressed_heads]
+        self.extras = {name: record[:, self.compressed_heads] for name, record in self.extras.items()}
+
     def compress(self) -> None:
-        """Shrink this layer to its budget, leaving sinks and the recent window untouched."""
-        method, length, budget = self.owner.method, self.length, self.budget_len
+        """Shrink this layer to its budget, leaving sinks, the recent window and whole heads untouched."""
+        method, budget = self.owner.method, self.budget_len
+        if self.whole_heads is None and (whole := self.owner.heads_kept_whole().get(self.layer_idx)):
+            self.split_heads(whole)
+        length = self.length
         n_sink, n_recent = method.n_sink, method.n_recent
-        if length <= budget:
+        if length <= budget or self.keys.shape[1] == 0:
             return
         self.check_protected_fit()
         middle = slice(n_sink, length - n_recent)
@@ -158,16 +245,17 @@ class CompressedLayer(DynamicLayer):
             self.keys[:, :, middle],
             self.values[:, :, middle],
             log_degree[:, :, middle],
-            None if self.attention_sum is None else self.attention_sum[:, :, middle],
+            {name: record[:, :, middle] for name, record in self.extras.items()},
         )
         stats = LayerStats(
             layer_idx=self.layer_idx,
             n_layers=self.owner.n_layers,
             scaling=self.scaling,
-            queries=self.queries,
+            windows=self.windows,
             keys=self.keys,
             log_degree=log_degree,
             middle=middle,
+            rotary=self.owner.rotary,
         )
         target = budget - n_sink - n_recent
         kept = method.compress(segment, target, stats)
@@ -181,8 +269,7 @@ class CompressedLayer(DynamicLayer):
         self.values = splice(self.values, kept.values)
         if method.merges or self.log_degree is not None:
             self.log_degree = splice(log_degree, kept.log_degree)
-        if self.attention_sum is not None:
-            self.attention_sum = splice(self.attention_sum, kept.attention_sum)
+        self.extras = {name: splice(record, kept.extras[name]) for name, record in self.extras.items()}
         self.n_compressions += 1
 
     def check_protected_fit(self) -> None:
@@ -195,24 +282,33 @@ class CompressedLayer(DynamicLayer):
             )
 
     def fork(self, owner: CompressedCache) -> CompressedLayer:
-        """A layer for another cache that shares this one's tensors (never modified in place)."""
+        """A layer for another cache that shares this one's tensors (never modified in place), with
+        only the records `owner` asks for."""
         twin = CompressedLayer(owner, self.layer_idx)
         for attr in (
             "keys",
             "values",
             "log_degree",
-            "attention_sum",
-            "queries",
+            "compressed_heads",
+            "whole_heads",
+            "whole_keys",
+            "whole_values",
             "scaling",
             "n_seen",
             "prompt_len",
         ):
             setattr(twin, attr, getattr(self, attr))
         twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
-        if not owner.tracks_attention:
-            twin.attention_sum = None
-        if not owner.query_window:
-            twin.queries = None
+        for name in owner.entry_needs:
+            if name not in self.extras:
+                raise ValueError(f"{owner.method.name} needs {name!r}, which the source cache did not record")
+            twin.extras[name] = self.extras[name]
+        for name, window in owner.window_needs.items():
+            if name not in self.windows or self.windows[name].shape[2] < window:
+                raise ValueError(
+                    f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not keep"
+                )
+            twin.windows[name] = self.windows[name][:, :, -window:]
         return twin
 
 
@@ -229,8 +325,8 @@ class CompressedCache(Cache):
       method: a `Method` instance or a registered name (then built with its defaults).
       budget: R, the fraction of (prompt + max_new_tokens) tokens each layer may keep, in (0, 1].
       max_new_tokens: Gamma, the generation length the budget accounts for.
-      record_queries, record_attention: also keep this many latest queries / the accumulated
-        attention although `method` does not need them, so that `fork` can serve methods that do.
+      needs: records to keep besides the method's own (`centroidkv.needs`), so that `fork` can serve
+        methods that need them (a shared prefill records the needs of every method of a job).
     """
 
     def __init__(
@@ -238,8 +334,7 @@ class CompressedCache(Cache):
         method: Method | str = "centroidkv",
         budget: float = 0.25,
         max_new_tokens: int = 0,
-        record_queries: int = 0,
-        record_attention: bool = False,
+        needs: Iterable[Need] = (),
     ):
         if isinstance(method, str):
             method = get_method(method)
@@ -252,9 +347,27 @@ class CompressedCache(Cache):
         self.budget = float(budget)
         self.max_new_tokens = max_new_tokens
         self.n_layers: int | None = None  # set by the attention hook (prepare_model)
+        self.rotary: nn.Module | None = None  # the model's rotary embedding, set by the same hook
+        self.model_ref: Callable[[], nn.Module | None] = lambda: None  # weak reference, same hook
         self.compression_enabled = True
-        self.query_window = max(method.query_window, record_queries)
-        self.tracks_attention = method.accumulates_attention or record_attention
+        recorded = gather_needs([*method.needs(), *needs])
+        self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
+        self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
+        self._kept_whole: dict[int, list[int]] | None = None
+
+    @property
+    def query_window(self) -> int:
+        return self.window_needs.get("queries", 0)
+
+    @property
+    def tracks_attention(self) -> bool:
+        return any(RECORDERS[name].uses_received for name in self.entry_needs)
+
+    def heads_kept_whole(self) -> dict[int, list[int]]:
+        """The method's KV heads kept whole per layer, asked once (needs the model: `prepare_model`)."""
+        if self._kept_whole is None:
+            self._kept_whole = self.method.kept_whole(self.model_ref())
+        return self._kept_whole
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         while len(self.layers) <= layer_idx:
@@ -281,27 +394,25 @@ class CompressedCache(Cache):
             if layer.needs_compression():
                 layer.compress()
 
-    def fork(self, method: Method | str, budget: float, max_new_tokens: int | None = None) -> CompressedCache:
+    def fork(
+        self,
+        method: Method | str,
+        budget: float,
+        max_new_tokens: int | None = None,
+        needs: Iterable[Need] = (),
+    ) -> CompressedCache:
         """A new cache over the same entries with another method or budget, already compressed.
 
         This is how one prefill serves many (method, budget) runs: tensors are shared, never copied,
         because compression and decoding replace tensors instead of writing into them. The source
-        cache must have collected what the new method needs (query window, accumulated attention).
+        cache must have recorded what the new method needs, and `needs` (records to carry along,
+        e.g. for a diagnostic).
         """
         twin = CompressedCache(
-            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens
+            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens, needs
         )
-        twin.n_layers = self.n_layers
+        twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
         twin.layers = [layer.fork(twin) for layer in self.layers]
-        for layer in twin.layers:
-            if twin.method.accumulates_attention and layer.attention_sum is None:
-                raise ValueError(
-                    f"{twin.method.name} needs accumulated attention the source cache did not keep"
-                )
-            if twin.method.query_window and (
-                layer.queries is None or layer.queries.shape[2] < twin.method.query_window
-            ):
-                raise ValueError(f"{twin.method.name} needs a query window the source cache did not keep")
         twin.compress_now()
         return twin
 
@@ -309,22 +420,38 @@ class CompressedCache(Cache):
         """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
         whose budget cannot hold the protected tokens (known as soon as the prompt is in)."""
         for layer in self.layers:
-            limit = layer.budget_len + self.method.compress_interval - 1  # as in needs_compression
-            if self.method.compresses and layer.length + n_new_tokens > limit:
+            if not self.method.compresses or layer.length == 0 or layer.keys.shape[1] == 0:
+                continue  # as in needs_compression: nothing to compress here
+            if layer.length + n_new_tokens > layer.budget_len + self.method.compress_interval - 1:
                 layer.check_protected_fit()
 
     def kv_bytes(self) -> int:
-        """Bytes held by the cache's own tensors: keys, values and log-degrees."""
+        """Bytes of everything the cache stores: keys, values, log-degrees, the method's entry records
+        (e.g. positions) and the heads kept whole."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.stored_tensors())
+
+    def full_kv_bytes(self) -> int:
+        """Bytes the keys and values of every token seen would take in a full cache of the same dtype."""
         total = 0
         for layer in self.layers:
-            for tensor in (layer.keys, layer.values, layer.log_degree):
-                if tensor is not None:
-                    total += tensor.numel() * tensor.element_size()
+            if layer.keys is not None and layer.keys.dim() == 4:
+                batch, _, _, head_dim = layer.keys.shape
+                n_heads = len(layer.head_lengths())
+                total += 2 * batch * n_heads * layer.n_seen * head_dim * layer.keys.element_size()
         return total
 
+    def kv_ratio(self) -> float:
+        """Effective KV ratio: `kv_bytes()` over a full cache's bytes (what memory the budget really buys)."""
+        full = self.full_kv_bytes()
+        return self.kv_bytes() / full if full else float("nan")
+
     def seq_lengths(self) -> list[int]:
-        """Stored entries per layer (the physical length, not the tokens seen)."""
-        return [layer.length for layer in self.layers]
+        """Stored entries per layer, the longest head (the physical length, not the tokens seen)."""
+        return [max(layer.head_lengths(), default=0) for layer in self.layers]
+
+    def head_lengths(self) -> list[list[int]]:
+        """Stored entries per (layer, KV head)."""
+        return [layer.head_lengths() for layer in self.layers]
 
     @property
     def n_compressions(self) -> int:

@@ -16,24 +16,27 @@ at most half of the tokens (only A tokens disappear).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from centroidkv.kv import LayerKV
-from centroidkv.schedule import LinearSchedule
+from centroidkv.needs import merge_rule
+from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
+
+Schedule = LinearSchedule | AdaptiveSchedule
 
 
-def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Pick the `n_merge` best A->B edges; return their source and destination token indices.
+def best_edges(keys: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Every A slot's best B partner in its chunk: (best similarity, B position), each [B, H, n_A].
 
-    keys: [B, H, T, D]. Returns `src`, `dst`: [B, H, n_merge] int64 positions in the sequence.
-    Cost O(T * chunk_size * D) per head instead of O(T^2 * D) for all pairs.
+    keys: [B, H, T, D]. A slot s sits at position 2 * s; slots without a real B partner (padding of
+    the last chunk) score -inf. Cost O(T * chunk_size * D) per head instead of O(T^2 * D) for all pairs.
     """
     batch, heads, length, head_dim = keys.shape
     half = chunk_size // 2
-    if n_merge > length // 2:
-        raise ValueError(f"cannot merge {n_merge} of {length} tokens in one round (at most half)")
     n_chunks = -(-length // chunk_size)
     padding = n_chunks * chunk_size - length
     normed = F.normalize(keys.float(), dim=-1)
@@ -49,12 +52,24 @@ def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Te
     best_score, best_b = similarity.max(dim=-1)  # [B, H, chunks, half]
     if padding:  # padding A slots are never merged, even when every real edge is negative
         best_score[:, :, -1].masked_fill_((last_a >= length)[None, None, :], float("-inf"))
+    chunk_start = torch.arange(n_chunks, device=keys.device).view(n_chunks, 1) * chunk_size
+    return best_score.flatten(2), (chunk_start + 2 * best_b + 1).flatten(2)
 
-    top_a = best_score.flatten(2).topk(n_merge, dim=-1).indices  # A slot ids, [B, H, n_merge]
-    chosen_b = best_b.flatten(2).gather(-1, top_a)
-    src = 2 * top_a  # A slot s sits at position chunk * c + 2 * (s % half) = 2 * s
-    dst = (top_a // half) * chunk_size + 2 * chosen_b + 1
-    return src, dst
+
+def top_edges(best_score: Tensor, best_dst: Tensor, n_merge: int) -> tuple[Tensor, Tensor]:
+    """The `n_merge` highest-scoring A->B edges of each head: (src, dst) positions, [B, H, n_merge]."""
+    top_a = best_score.topk(n_merge, dim=-1).indices  # A slot ids
+    return 2 * top_a, best_dst.gather(-1, top_a)
+
+
+def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Pick the `n_merge` best A->B edges; return their source and destination token indices.
+
+    keys: [B, H, T, D]. Returns `src`, `dst`: [B, H, n_merge] int64 positions in the sequence.
+    """
+    if n_merge > keys.shape[2] // 2:
+        raise ValueError(f"cannot merge {n_merge} of {keys.shape[2]} tokens in one round (at most half)")
+    return top_edges(*best_edges(keys, chunk_size), n_merge)
 
 
 def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
@@ -85,15 +100,19 @@ def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
         out = rows.index_select(0, keep_row).index_add_(0, dst_kept, delta.to(x.dtype))
         return out.view(batch, heads, length - n_merge, -1)
 
-    attention_sum = kv.attention_sum
-    if attention_sum is not None:  # a centroid has received the attention of all its members
-        flat = attention_sum.flatten()
-        attention_sum = flat.index_add(0, dst_row, flat[src_row])[keep_row].view(batch, heads, -1)
+    def summed(x: Tensor) -> Tensor:  # e.g. a centroid has received the attention of all its members
+        flat = x.flatten()
+        return flat.index_add(0, dst_row, flat[src_row])[keep_row].view(batch, heads, -1)
+
+    extras = {  # entry records follow the merge by their declared rule (centroidkv.needs)
+        name: merged(record.unsqueeze(-1)).squeeze(-1) if merge_rule(name) == "mean" else summed(record)
+        for name, record in kv.extras.items()
+    }
     return LayerKV(
         keys=merged(kv.keys),
         values=merged(kv.values),
         log_degree=new_degree.log()[keep_row].view(batch, heads, -1),
-        attention_sum=attention_sum,
+        extras=extras,
     )
 
 
@@ -104,14 +123,24 @@ def csm_round(kv: LayerKV, n_merge: int, chunk_size: int) -> LayerKV:
 
 
 def csm_compress(
-    kv: LayerKV, target_len: int, chunk_size: int, schedule: LinearSchedule, max_rounds: int = 256
+    kv: LayerKV,
+    target_len: int,
+    chunk_size: int,
+    schedule: Schedule,
+    max_rounds: int = 256,
+    match_keys: Callable[[LayerKV], Tensor] | None = None,
 ) -> LayerKV:
-    """Run rounds until `target_len` tokens remain; round j merges min(excess, floor(r_j * |A|))."""
+    """Run rounds until `target_len` tokens remain; the schedule sets each round's merge count.
+
+    `match_keys(kv)` gives the keys similarity is computed on (default: the cached keys); merging
+    always averages the cached keys and values.
+    """
     for round_idx in range(max_rounds):
         excess = kv.length - target_len
         if excess <= 0:
             return kv
+        best_score, best_dst = best_edges(kv.keys if match_keys is None else match_keys(kv), chunk_size)
         n_pairs = kv.length // 2  # A tokens that have a B partner (at least)
-        n_merge = min(excess, max(1, int(schedule.rate(round_idx) * n_pairs)))
-        kv = csm_round(kv, n_merge, chunk_size)
+        n_merge = schedule.merge_count(round_idx, best_score, n_pairs, excess)
+        kv = merge_tokens(kv, *top_edges(best_score, best_dst, n_merge))
     raise RuntimeError(f"CSM did not reach {target_len} tokens in {max_rounds} rounds")

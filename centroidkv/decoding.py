@@ -11,7 +11,7 @@ Times come from CUDA events on a GPU and `perf_counter` on a CPU (`Timer`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from centroidkv.cache import CompressedCache
 from centroidkv.methods import Method
+from centroidkv.needs import Need
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Generation:
     n_decode_steps: int
     kv_bytes_compressed: int  # right after compression (and the fed tokens)
     kv_bytes: int  # at the end of decoding
+    kv_ratio: float  # right after compression: bytes stored / bytes of the full cache of those tokens
     seq_lengths: list[int]  # entries per layer at the end
     n_compressions: int
 
@@ -78,23 +80,21 @@ def prefill(
     model: PreTrainedModel,
     input_ids: Tensor,
     max_new_tokens: int,
-    record_queries: int = 0,
-    record_attention: bool = False,
+    needs: Iterable[Need] = (),
 ) -> Prefill:
-    """Run the prompt once with a full cache that records what query-aware methods need."""
+    """Run the prompt once with a full cache that records `needs` (e.g. `needs_of(methods)`)."""
     if input_ids.shape[-1] == 0:
         raise ValueError("prefill needs at least one prompt token, got an empty prompt")
-    cache = CompressedCache(
-        "full",
-        budget=1.0,
-        max_new_tokens=max_new_tokens,
-        record_queries=record_queries,
-        record_attention=record_attention,
-    )
+    cache = CompressedCache("full", budget=1.0, max_new_tokens=max_new_tokens, needs=needs)
     with Timer(input_ids.device).span() as span:
         logits = model(input_ids, past_key_values=cache, logits_to_keep=1).logits
         first_token = logits[:, -1].argmax(-1, keepdim=True)
     return Prefill(cache, first_token, span.seconds)
+
+
+def needs_of(methods: Iterable[Method]) -> list[Need]:
+    """Everything a prefill must record so that it can be forked to each of `methods`."""
+    return [need for method in methods for need in method.needs()]
 
 
 def default_eos(model: PreTrainedModel) -> set[int]:
@@ -131,7 +131,7 @@ def generate_from(
             logits = model(question_ids, past_key_values=cache, logits_to_keep=1).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
         feed_s = feeding.seconds
-    kv_bytes_compressed = cache.kv_bytes()
+    kv_bytes_compressed, kv_ratio = cache.kv_bytes(), cache.kv_ratio()
     cache.check_room(max_new_tokens - 1)  # a budget too small for the protected tokens fails before decoding
 
     generated = [token][:max_new_tokens]  # max_new_tokens=0: no token at all
@@ -161,6 +161,7 @@ def generate_from(
         n_decode_steps=len(step_times),
         kv_bytes_compressed=kv_bytes_compressed,
         kv_bytes=cache.kv_bytes(),
+        kv_ratio=kv_ratio,
         seq_lengths=cache.seq_lengths(),
         n_compressions=cache.n_compressions,
     )

@@ -3,14 +3,24 @@
 Paper: Hu et al., "Efficient Long-Context LLM Inference via KV Cache Clustering", arXiv 2506.11418
 (v1 named the method Chelsea). The cache is clustered by Chunked Soft Matching (`centroidkv.csm`)
 after prefill and whenever decoding has added `compress_interval` tokens beyond the budget;
-attention then adds log(degree) to the logits (`centroidkv.attention`).
+attention then adds log(degree) to the logits (`centroidkv.attention`). Our decisions where the paper
+is silent, with the evidence: docs/method.md and the README's decision table.
 
-Parameters (defaults: the paper's where it gives them, ours otherwise; see PAPER.md):
+Parameters (defaults: the paper's where it gives them, ours otherwise):
   chunk_size: c, tokens per chunk; matching stays inside a chunk (paper: 256; even, >= 2).
-  r_init: merge fraction of A tokens in the first round of a compression (ours: 0.5, swept: README).
-  delta_r: linear annealing step of r per round (ours: 0, i.e. constant; the sweep found aggressive
-    first rounds annealed down, as in the paper's v1, lose needles: README "Choosing the schedule").
-  r_min: floor of r, > 0 so the budget is always reached (ours: 0.1).
+  schedule: "linear" (the paper's r_j = r_init - j * delta_r, clamped to [r_min, 1]) or "adaptive"
+    (each round merges the edges at or above the round's mean similarity; `centroidkv.schedule`).
+  r_init: merge fraction of A tokens in the first round of a compression (linear schedule).
+  delta_r: linear annealing step of r per round (0: constant).
+  r_min: floor of the per-round merge fraction, > 0 so the budget is always reached (both schedules).
+  similarity: "post_rope" (the cached keys) or "pre_rope" (keys with the model's rotary embedding
+    undone at each entry's degree-weighted mean position, recorded as the "position" need and counted
+    in kv_bytes). Merging always averages the cached (post-RoPE) keys and the values.
+  outlier_heads: "none", "auto" (the calibrated list of the model the cache runs on: the user cache
+    dir, else the list shipped in the package, else calibrated on first use) or a path to a JSON
+    written by `python -m centroidkv.calibrate`. Outlier KV heads keep every token, on top of the
+    budget (as in the paper); the other heads are compressed to the budget.
+  outlier_fraction: the worst fraction of (layer, KV head) pairs, by calibration error, kept whole.
   n_sink, n_recent: protected first / last tokens (paper: 16 / 64).
   compress_interval: g, re-compression interval during decoding (ours: 64).
 """
@@ -18,10 +28,38 @@ Parameters (defaults: the paper's where it gives them, ours otherwise; see PAPER
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
 
 from centroidkv.csm import csm_compress
-from centroidkv.methods import LayerKV, LayerStats, Method, check_float, register
-from centroidkv.schedule import LinearSchedule
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_float, register
+from centroidkv.needs import POSITION
+from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
+
+SIMILARITIES = ("post_rope", "pre_rope")
+SCHEDULES = ("linear", "adaptive")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """transformers' Llama/Mistral/Qwen2 RoPE layout: the pairs are (i, i + D/2)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
+    """Keys [B, H, T, D] rotated back by their (possibly fractional) positions [B, H, T], float32.
+
+    Uses the model's own rotary embedding module (`rotary(x, position_ids) -> cos, sin`), so scaled
+    variants (Llama-3's) are what the model applied. A constant attention scaling of cos/sin only
+    rescales the result, which cosine similarity ignores.
+    """
+    batch, heads, length, head_dim = keys.shape
+    flat = keys.float().reshape(batch * heads, length, head_dim)
+    cos, sin = rotary(flat, positions.float().reshape(batch * heads, length))
+    unrotated = flat * cos.float() - rotate_half(flat) * sin.float()  # the inverse of k cos + rot(k) sin
+    return unrotated.view(batch, heads, length, head_dim)
 
 
 @register
@@ -32,9 +70,13 @@ class CentroidKV(Method):
     merges = True
 
     chunk_size: int = 256
+    schedule: str = "linear"
     r_init: float = 0.5
     delta_r: float = 0.0
     r_min: float = 0.1
+    similarity: str = "post_rope"
+    outlier_heads: str = "none"
+    outlier_fraction: float = 0.04
 
     def validate(self) -> None:
         super().validate()
@@ -42,15 +84,67 @@ class CentroidKV(Method):
             raise ValueError(f"centroidkv: chunk_size must be an even integer >= 2, got {self.chunk_size!r}")
         if self.chunk_size % 2:
             raise ValueError(f"centroidkv: chunk_size must be even (A/B alternate), got {self.chunk_size}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"centroidkv: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(
+                f"centroidkv: similarity must be one of {', '.join(SIMILARITIES)}, got {self.similarity!r}"
+            )
         check_float(self, "r_init", 0.0, 1.0, low_open=True)
         check_float(self, "delta_r", 0.0, 1.0)
         check_float(self, "r_min", 0.0, 1.0, low_open=True)
         if self.r_min > self.r_init:
             raise ValueError(f"centroidkv: r_min ({self.r_min}) must not exceed r_init ({self.r_init})")
+        check_float(self, "outlier_fraction", 0.0, 1.0)
+        if not isinstance(self.outlier_heads, (str, Path)):
+            raise ValueError(
+                f"centroidkv: outlier_heads must be none, auto or a path, got {self.outlier_heads!r}"
+            )
+        if str(self.outlier_heads) not in ("none", "auto"):
+            from centroidkv.calibrate import read_head_file
+
+            read_head_file(self.outlier_heads)  # a missing or malformed file fails here, with one line
+
+    def needs(self) -> tuple[Need, ...]:
+        return (POSITION,) if self.similarity == "pre_rope" else ()
+
+    def check_model(self, model_name: str) -> None:
+        """A head file calibrated on another model is refused before any model work."""
+        if str(self.outlier_heads) not in ("none", "auto"):
+            from centroidkv.calibrate import read_head_file
+
+            found = read_head_file(self.outlier_heads)["model"]
+            if found != model_name:
+                raise ValueError(
+                    f"centroidkv: outlier_heads file {self.outlier_heads} was calibrated on {found!r}, "
+                    f"not on {model_name!r}"
+                )
+
+    def kept_whole(self, model) -> dict[int, list[int]]:
+        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
+            return {}
+        from centroidkv.calibrate import outlier_heads_for
+
+        return outlier_heads_for(model, self.outlier_heads, self.outlier_fraction)
 
     @property
-    def schedule(self) -> LinearSchedule:
+    def merge_schedule(self) -> LinearSchedule | AdaptiveSchedule:
+        if self.schedule == "adaptive":
+            return AdaptiveSchedule(self.r_min)
         return LinearSchedule(self.r_init, self.delta_r, self.r_min)
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
-        return csm_compress(kv, target_len, self.chunk_size, self.schedule)
+        match_keys = None
+        if self.similarity == "pre_rope":
+            if stats.rotary is None or "position" not in kv.extras:
+                raise ValueError(
+                    "centroidkv: pre_rope similarity needs the model's rotary embedding and recorded "
+                    "positions (a cache on a model prepared by centroidkv)"
+                )
+
+            def match_keys(segment: LayerKV) -> Tensor:
+                return undo_rope(segment.keys, segment.extras["position"], stats.rotary)
+
+        return csm_compress(kv, target_len, self.chunk_size, self.merge_schedule, match_keys=match_keys)

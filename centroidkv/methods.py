@@ -28,12 +28,14 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from centroidkv.kv import LayerKV, LayerStats
+from centroidkv.needs import Need, gather_needs
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "LayerKV",
     "LayerStats",
     "Method",
+    "Need",
     "check_float",
     "get_method",
     "method_class",
@@ -63,7 +65,6 @@ class Method:
     label: ClassVar[str] = ""  # display name in tables and figures; defaults to `name`
     compresses: ClassVar[bool] = True  # False for the full cache
     merges: ClassVar[bool] = False  # True when log_degree changes (CentroidKV, K-Means, CaM)
-    accumulates_attention: ClassVar[bool] = False  # True: the cache keeps LayerKV.attention_sum
 
     n_sink: int = 16
     n_recent: int = 64
@@ -82,10 +83,23 @@ class Method:
         """The display label of a run with these parameters (a wrapper method may name what it wraps)."""
         return cls.label or cls.name
 
+    def needs(self) -> tuple[Need, ...]:
+        """What the cache must record for this method (`centroidkv.needs`): none by default."""
+        return ()
+
     @property
     def query_window(self) -> int:
         """How many of the latest query states `LayerStats.queries` must hold (0: none)."""
-        return 0
+        return gather_needs(self.needs()).get("queries", 0)
+
+    def check_model(self, model_name: str) -> None:
+        """Raise ValueError when this method's parameters cannot run on `model_name` (checked by the
+        runner's config validation, before any model loads). Nothing to check by default."""
+
+    def kept_whole(self, model) -> dict[int, list[int]]:
+        """KV heads, per layer index, that keep every entry and are never compressed (CentroidKV's
+        outlier heads); called once when a cache first compresses on `model`. None by default."""
+        return {}
 
     def validate(self) -> None:
         _check_int(self, "n_sink", minimum=0)

@@ -1,4 +1,10 @@
-"""Model loading: the embedded SmolLM2 (GGUF -> cached safetensors), hub models, tiny random configs.
+"""Model loading: the embedded SmolLM2 (GGUF -> cached safetensors), hub models, random models.
+
+Random models: `tiny-llama` / `tiny-mistral` (2 layers, for unit tests) and the paper-shaped
+`random-llama3.1-8b`, `random-mistral-7b`, `random-qwen2-7b`: the published architectures with seeded
+random weights, so that speed and memory can be measured at the paper's scale without the Hub.
+A paper-shaped name takes an optional depth, `random-llama3.1-8b:2` = its first 2 layers (every
+shape of a layer, the embeddings and the head stay as published).
 
 Every model is loaded with the degree-aware attention (`centroidkv.attention`) so that a
 `CompressedCache` works with `model.generate` and plain forward calls alike.
@@ -13,6 +19,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -20,8 +27,11 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
@@ -35,7 +45,73 @@ HUB_MODELS = {
     "qwen2-7b": "Qwen/Qwen2-7B-Instruct",
 }
 TINY_MODELS = ("tiny-llama", "tiny-mistral")
-MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *TINY_MODELS)
+
+# The published configurations (config.json of the Hub checkpoints above), architecture only.
+_LLAMA_MISTRAL_7B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
+    "random-llama3.1-8b": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            _LLAMA_MISTRAL_7B,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            bos_token_id=128000,
+            eos_token_id=128001,
+        ),
+    ),
+    "random-mistral-7b": (
+        MistralConfig,
+        MistralForCausalLM,
+        dict(
+            _LLAMA_MISTRAL_7B,
+            vocab_size=32768,
+            max_position_embeddings=32768,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            sliding_window=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "random-qwen2-7b": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            head_dim=128,
+            max_position_embeddings=32768,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+            tie_word_embeddings=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+        ),
+    ),
+}
+MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
 
 
 def cache_dir() -> Path:
@@ -43,9 +119,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv"))
 
 
+def parse_model_name(name: str) -> tuple[str, int | None]:
+    """`random-llama3.1-8b:2` -> ("random-llama3.1-8b", 2); any other valid name -> (name, None).
+
+    Raises one ValueError for an unknown name or a depth outside 1 .. the published layer count.
+    """
+    base, _, depth = name.partition(":") if isinstance(name, str) else (name, "", "")
+    if base not in MODEL_NAMES:
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} "
+            f"(random-*:N keeps the first N layers)"
+        )
+    if not depth:
+        return base, None
+    if base not in PAPER_CONFIGS:
+        raise ValueError(f"model {name!r}: only the random-* models take a depth (:N)")
+    full_depth = PAPER_CONFIGS[base][2]["num_hidden_layers"]
+    if not depth.isdigit() or not 1 <= int(depth) <= full_depth:
+        raise ValueError(f"model {name!r}: the depth after ':' must be an integer in 1..{full_depth}")
+    return base, int(depth)
+
+
 def check_model_name(name: str) -> None:
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    parse_model_name(name)
 
 
 def embedded_gguf_path() -> Path:
@@ -98,10 +194,19 @@ def _embedded_tokenizer() -> PreTrainedTokenizerBase:
 
 def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer of a named model (tiny models reuse the embedded tokenizer)."""
-    check_model_name(name)
-    if name == EMBEDDED_MODEL or name in TINY_MODELS:
+    base, _ = parse_model_name(name)
+    if base == EMBEDDED_MODEL or base in TINY_MODELS or base in PAPER_CONFIGS:
         return _embedded_tokenizer()
-    return _from_hub(AutoTokenizer.from_pretrained, HUB_MODELS[name])
+    return _from_hub(AutoTokenizer.from_pretrained, HUB_MODELS[base])
+
+
+def paper_config(name: str, n_layers: int | None = None) -> PretrainedConfig:
+    """The published configuration of a paper-shaped model, optionally cut to its first `n_layers`."""
+    config_class, _, values = PAPER_CONFIGS[name]
+    values = dict(values)
+    if n_layers is not None:
+        values["num_hidden_layers"] = n_layers
+    return config_class(**values)
 
 
 def tiny_config(name: str, **overrides) -> LlamaConfig | MistralConfig:
@@ -129,15 +234,22 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | None = None,
     seed: int = 0,
+    n_layers: int | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load a model with degree-aware attention, and its tokenizer (None for tiny models).
+    """Load a model with degree-aware attention, and its tokenizer (None for random models).
 
-    Defaults: float32 on CPU, bfloat16 on GPU.
+    Defaults: float32 on CPU, bfloat16 on GPU. `n_layers` (random-* models only; the same as the
+    `:N` name suffix) keeps the first layers. Random weights come from `seed`.
     """
-    check_model_name(name)
+    name, depth = parse_model_name(name)
+    if n_layers is not None:
+        name, depth = parse_model_name(f"{name}:{n_layers}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    if name in TINY_MODELS:
+    if name in PAPER_CONFIGS:
+        model = _random_model(name, depth, dtype, device, seed)
+        tokenizer = None
+    elif name in TINY_MODELS:
         torch.manual_seed(seed)
         config = tiny_config(name)
         config._attn_implementation = ATTN_IMPLEMENTATION
@@ -161,8 +273,43 @@ def load_model(
         )
         tokenizer = load_tokenizer(name)
     model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
-    prepare_model(model)
+    prepare_model(model, name)
     return model, tokenizer
+
+
+def _random_model(
+    name: str, n_layers: int | None, dtype: torch.dtype, device: str, seed: int
+) -> PreTrainedModel:
+    """A paper-shaped model with seeded random weights, built directly on `device` in `dtype`.
+
+    Only the requested layers are allocated (an 8B model cut to 2 layers is ~1.5B parameters, most
+    of them the embedding and the head). The model is laid out on the meta device and each tensor is
+    filled once: matrices uniform with the config's std (a normal fill costs twice as long on a CPU),
+    norms 1, biases 0, rotary frequencies recomputed. Random weights do not predict an
+    end-of-sequence token on purpose, so decoding is never stopped by one: the generation config
+    has no eos.
+    """
+    config = paper_config(name, n_layers)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    with torch.device("meta"):
+        model = PAPER_CONFIGS[name][1]._from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    if torch.device(device).type == "meta":  # shapes only (tests, size estimates): nothing to fill
+        return model
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    bound = config.initializer_range * 3**0.5  # uniform(-a, a) has std a / sqrt(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.uniform_(-bound, bound, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif "RMSNorm" in type(module).__name__:
+                module.weight.fill_(1.0)
+            elif "RotaryEmbedding" in type(module).__name__:
+                model._init_weights(module)  # recomputes inv_freq from the config
+    return model
 
 
 def _from_hub(loader, repo_id: str, **kwargs):

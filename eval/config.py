@@ -229,7 +229,7 @@ def _as_list(value: Any) -> list:
 def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig."""
     from centroidkv import get_method
-    from centroidkv.models import MODEL_NAMES
+    from centroidkv.models import check_model_name
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
@@ -242,8 +242,10 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     # --- model ---
     model_raw = raw.get("model") or {}
     model_name = model_raw.get("name")
-    if model_name not in MODEL_NAMES:
-        errors.append(f"model.name: unknown model {model_name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    try:  # a known name, or a random-* model with a depth (random-llama3.1-8b:2)
+        check_model_name(model_name)
+    except ValueError as error:
+        errors.append(f"model.name: {error}")
     dtype = model_raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         errors.append(f"model.dtype: must be one of {', '.join(DTYPES)} or null, got {dtype!r}")
@@ -282,6 +284,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         variants.append(variant)
         try:
             method = get_method(name, **params)
+            method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
             errors.append(f"method {variant}: {str(error).splitlines()[0]}")
             continue

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from centroidkv import get_method
-from centroidkv.decoding import Prefill, default_eos, generate_from, prefill
+from centroidkv.decoding import Prefill, default_eos, generate_from, needs_of, prefill
 from eval.benchmarks import Benchmark, Sample
 from eval.config import MethodSpec
 from eval.samples import encode_prompt, sample_id
@@ -46,13 +46,7 @@ class Evaluator:
     def prefill(self, head: list[int], max_new_tokens: int, specs: list[MethodSpec]) -> Prefill:
         """The sample's shared prefill, recording what every method of `specs` needs."""
         methods = [self.methods[s] for s in specs]
-        return prefill(
-            self.model,
-            self.ids(head),
-            max_new_tokens,
-            record_queries=max(m.query_window for m in methods),
-            record_attention=any(m.accumulates_attention for m in methods),
-        )
+        return prefill(self.model, self.ids(head), max_new_tokens, needs=needs_of(methods))
 
     def decode(
         self,
@@ -89,6 +83,7 @@ class Evaluator:
             n_decode_steps=result.n_decode_steps,
             kv_bytes=result.kv_bytes_compressed,
             kv_bytes_final=result.kv_bytes,
+            kv_ratio=result.kv_ratio,
             kv_len=max(result.seq_lengths, default=0),
             n_compressions=result.n_compressions,
             peak_mem=peak,

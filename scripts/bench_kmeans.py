@@ -29,6 +29,7 @@ from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
 from centroidkv.cache import causal_allowed
 from centroidkv.methods import LayerKV, LayerStats
+from centroidkv.needs import query_window
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,7 +125,7 @@ def attention_output(queries, keys, values, log_degree, scaling) -> torch.Tensor
 def error_table(args: argparse.Namespace) -> dict[str, float]:
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenizer(essay_text(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    recorder = CompressedCache("full", 1.0, 0, record_queries=args.queries)
+    recorder = CompressedCache("full", 1.0, 0, needs=query_window(args.queries))
     with torch.no_grad():
         model.model(input_ids=ids, past_key_values=recorder)
     csm, kmeans = get_method("centroidkv"), get_method("kmeans", iterations=args.iterations)
@@ -138,7 +139,7 @@ def error_table(args: argparse.Namespace) -> dict[str, float]:
         reference = attention_output(layer.queries, layer.keys, layer.values, zeros, layer.scaling)
         segment = LayerKV(layer.keys[:, :, middle], layer.values[:, :, middle], zeros[:, :, middle])
         stats = LayerStats(
-            layer.layer_idx, len(recorder.layers), layer.scaling, layer.queries, layer.keys, zeros
+            layer.layer_idx, len(recorder.layers), layer.scaling, dict(layer.windows), layer.keys, zeros
         )
         for name, method in (("centroidkv", csm), ("kmeans", kmeans)):
             kept = method.compress(segment, target, stats)

@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import generate_from, prefill
+    from centroidkv.decoding import generate_from, needs_of, prefill
     from eval.metrics import ruler_score
     from eval.ruler import generate_samples
 
@@ -57,13 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             text + sample["answer_prefix"], add_special_tokens=False, return_tensors="pt"
         ).input_ids
         max_new = sample["max_new_tokens"]
-        prefilled = prefill(
-            model,
-            ids,
-            max_new,
-            record_queries=max(m.query_window for m in methods.values()),
-            record_attention=any(m.accumulates_attention for m in methods.values()),
-        )
+        prefilled = prefill(model, ids, max_new, needs=needs_of(methods.values()))
         print(
             f"\nprompt {sample['index']}: {ids.shape[1]} tokens, prefill {prefilled.seconds:.1f} s, "
             f"needle answer {sample['answers']}"

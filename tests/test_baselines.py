@@ -79,7 +79,7 @@ def test_budget_protected_tokens_and_degrees(model, name):
     method = get_method(name)
     ids = prompt()
     # The reference takes the same attention path (tracking attention computes it blockwise).
-    full = CompressedCache("full", 1.0, NEW_TOKENS, record_attention=method.accumulates_attention)
+    full = CompressedCache("full", 1.0, NEW_TOKENS, needs=method.needs())
     cache = CompressedCache(method, BUDGET, NEW_TOKENS)
     model(ids, past_key_values=full)
     token = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from centroidkv import CompressedCache, get_method
 from centroidkv.attention import degree_attention
+from centroidkv.needs import ATTENTION_SUM
 
 
 def stock_twin(model):
@@ -171,6 +172,7 @@ def test_cache_refuses_unprepared_model(tiny_model):
 
 class _FakeLayer:
     tracks_attention = False
+    whole_heads = None
 
     def __init__(self, log_degree):
         self.log_degree = log_degree
@@ -282,7 +284,7 @@ def test_tracking_attention_does_not_change_the_answer(tiny_model):
     """A cache that records accumulated attention decodes exactly like one that does not."""
     ids = prompt(120)
     plain, _ = greedy(tiny_model, ids, CompressedCache("full", 1.0, 8), 8)
-    tracked_cache = CompressedCache("full", 1.0, 8, record_attention=True)
+    tracked_cache = CompressedCache("full", 1.0, 8, needs=[ATTENTION_SUM])
     tracked, _ = greedy(tiny_model, ids, tracked_cache, 8)
     assert torch.equal(plain, tracked)
     sums = torch.stack([layer.attention_sum.sum(-1) for layer in tracked_cache.layers])
@@ -297,7 +299,7 @@ def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny_model):
 
     gc.disable()
     try:
-        cache = CompressedCache("centroidkv", 0.5, 4, record_attention=True)
+        cache = CompressedCache("centroidkv", 0.5, 4, needs=[ATTENTION_SUM])
         tiny_model(prompt(200), past_key_values=cache)
         fork = cache.fork("h2o", 0.5)
         refs = [weakref.ref(cache), weakref.ref(fork), weakref.ref(cache.layers[0])]

@@ -93,13 +93,13 @@ def test_compress_runs_rounds_each_at_most_half_and_conserves_degree(monkeypatch
     import centroidkv.csm as csm
 
     rounds = []
-    real_round = csm.csm_round
+    real_merge = csm.merge_tokens
 
-    def recording_round(kv, n_merge, chunk_size):
-        rounds.append((kv.length, n_merge))
-        return real_round(kv, n_merge, chunk_size)
+    def recording_merge(kv, src, dst):
+        rounds.append((kv.length, src.shape[-1]))
+        return real_merge(kv, src, dst)
 
-    monkeypatch.setattr(csm, "csm_round", recording_round)
+    monkeypatch.setattr(csm, "merge_tokens", recording_merge)
     schedule = LinearSchedule(r_init=0.9, delta_r=0.3, r_min=0.2)
     out = csm.csm_compress(random_kv(length=200), target_len=30, chunk_size=16, schedule=schedule)
     assert out.length == 30

@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from centroidkv import ATTN_IMPLEMENTATION, CompressedCache, get_method, load_model
 from centroidkv.attention import degree_attention
+from centroidkv.needs import ATTENTION_SUM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,7 +218,7 @@ def test_h2o_scores_coincide_with_observed_attention_up_to_normalisation(request
     theirs_kept, _ = kvpress_run(eager, press, context, random_ids(QUESTION_LEN, 5))
     theirs_full = full_keys(eager, context, ours=False)
 
-    recorder = CompressedCache("full", 1.0, 0, record_attention=True)
+    recorder = CompressedCache("full", 1.0, 0, needs=[ATTENTION_SUM])
     model.model(input_ids=context, past_key_values=recorder)
     h2o = CompressedCache(get_method("h2o", n_sink=0, n_recent=0, recent_ratio=0.0), 1 - RATIO, 0)
     model.model(input_ids=context, past_key_values=h2o)

@@ -1,0 +1,69 @@
+"""Compression time of CentroidKV configurations as a share of the prefill, at one length (8k).
+
+One essay prompt of `--length` tokens, one shared prefill (recording what every configuration needs),
+then each (configuration, budget) forks and compresses it `--repeats` times (the median is kept).
+Prints the compression time, its ratio to the prefill time and the effective KV ratio
+(bytes stored / full-cache bytes). The defaults' criterion: compression <= 5 % of the prefill at 8k.
+
+    python scripts/bench_centroidkv_configs.py --length 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from centroidkv import get_method, load_model  # noqa: E402
+from centroidkv.decoding import needs_of, prefill  # noqa: E402
+from eval.ruler.haystack import essay_text  # noqa: E402
+
+CONFIGS = {
+    "post-none-c256-const (old default)": {},
+    "post-none-c256-adapt": {"schedule": "adaptive"},
+    "pre-none-c64-const": {"similarity": "pre_rope", "chunk_size": 64},
+    "pre-none-c256-const": {"similarity": "pre_rope"},
+    "pre-none-c256-adapt": {"similarity": "pre_rope", "schedule": "adaptive"},
+    "pre-out-c256-const": {"similarity": "pre_rope", "outlier_heads": "auto"},
+    "pre-out-c256-adapt": {"similarity": "pre_rope", "schedule": "adaptive", "outlier_heads": "auto"},
+    "post-out-c64-const": {"outlier_heads": "auto", "chunk_size": 64},
+    "anneal (r 1.0 - 0.2 j, floor 0.3)": {"r_init": 1.0, "delta_r": 0.2, "r_min": 0.3},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--budgets", default="0.25,0.5")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = tokenizer(essay_text(args.length), return_tensors="pt").input_ids[:, : args.length]
+    methods = {name: get_method("centroidkv", **params) for name, params in CONFIGS.items()}
+    prefilled = prefill(model, ids, 0, needs=needs_of(methods.values()))
+    print(f"{ids.shape[1]} tokens, prefill {prefilled.seconds:.2f} s, {args.threads} threads\n")
+    print("| configuration | budget | compress s | / prefill | KV ratio |\n|---|---|---|---|---|")
+    for name, method in methods.items():
+        for budget in (float(b) for b in args.budgets.split(",")):
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                cache = prefilled.cache.fork(method, budget)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            print(
+                f"| {name} | {budget} | {seconds:.3f} | {100 * seconds / prefilled.seconds:.1f} % | "
+                f"{cache.kv_ratio():.3f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

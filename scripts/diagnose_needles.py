@@ -1,0 +1,212 @@
+"""Where the needle goes, and how much of CentroidKV's loss is the proxy model's tokenizer.
+
+For RULER single-needle prompts (essay haystack, `niah_single_2`, seeded as the harness seeds them),
+one shared prefill per prompt, then per (configuration, budget):
+
+1. **Needle fate per layer**: a diagnostic record (`needle`, one more `centroidkv.needs` recorder,
+   registered here: 1 for the needle value's tokens, 0 elsewhere, summed when entries merge) follows
+   the entries through compression; per layer and head the needle's tokens are *intact* (an entry of
+   degree 1), *merged with needle tokens only*, *merged with haystack tokens*, or *evicted* (their mark
+   is gone). Heads kept whole count as intact.
+2. **Value tokenisation** (the proxy question): SmolLM2 splits a 7-digit number into 7 single-digit
+   tokens, Llama-3's tokenizer into 3 tokens of up to 3 digits. The same prompts are rebuilt with
+   values of 7-digit numbers (RULER's), 3-digit numbers (3 tokens, Llama-3's count for 7 digits) and
+   RULER's word values (multi-character tokens), and each is scored (greedy answer contains the value).
+
+    python scripts/diagnose_needles.py --samples 8 --best "similarity=pre_rope,schedule=adaptive"
+
+Prints Markdown tables (the README's diagnostic summarises them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from centroidkv import get_method, load_model  # noqa: E402
+from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
+from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
+from eval.metrics import ruler_score  # noqa: E402
+from eval.ruler import haystack as hs  # noqa: E402
+from eval.ruler.constants import TASKS  # noqa: E402
+from eval.ruler.tasks import generate_samples  # noqa: E402
+from eval.samples import encode_prompt  # noqa: E402
+
+NEEDLE = Need("needle")
+VALUE_KINDS = ("7-digit numbers", "3-digit numbers", "words")
+
+
+class NeedleMark(Recorder):
+    """1 for the entries at `positions` (the needle value's tokens), 0 elsewhere; merged by sum."""
+
+    merge = "sum"
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor = torch.empty(0, dtype=torch.long)
+
+    def initial(self, first_position, shape, device):
+        positions = torch.arange(first_position, first_position + shape[-1], device=device)
+        marked = torch.isin(positions, self.positions.to(device)).float()
+        return marked.expand(shape).contiguous()
+
+
+MARK = NeedleMark()
+RECORDERS[NEEDLE.name] = MARK
+
+
+@contextlib.contextmanager
+def value_kind(kind: str):
+    """Build niah_single_2 samples whose values are `kind` (RULER's words, or n-digit numbers)."""
+    task = "niah_single_2"
+    original_cfg, original_number = dict(TASKS[task]), hs.random_number
+    if kind == "words":
+        TASKS[task] = {**original_cfg, "type_needle_v": "words"}
+    elif kind == "3-digit numbers":
+        hs.random_number = lambda rng: str(rng.randint(100, 999))
+    try:
+        yield task
+    finally:
+        TASKS[task], hs.random_number = original_cfg, original_number
+
+
+def value_positions(ids: list[int], value: str, tokenizer) -> list[int]:
+    """Token positions of the needle value inside the prompt (its last occurrence before the question)."""
+    for text in (" " + value, value):
+        pattern = tokenizer(text, add_special_tokens=False).input_ids
+        starts = [i for i in range(len(ids) - len(pattern) + 1) if ids[i : i + len(pattern)] == pattern]
+        if starts:
+            return list(range(starts[0], starts[0] + len(pattern)))
+    raise ValueError(f"value {value!r} not found in the prompt tokens")
+
+
+def needle_fate(cache, n_marked: int) -> torch.Tensor:
+    """[n_layers, 4]: shares of the needle tokens intact / merged with needle only / merged with
+    haystack / evicted, over all KV heads."""
+    rows = []
+    for layer in cache.layers:
+        mark = layer.extras[NEEDLE.name]  # [B, H_c, T]
+        degree = layer.degrees_or_zeros().exp()
+        n_heads = len(layer.head_lengths())
+        single = degree < 1.5
+        intact = (mark * single).sum()
+        pure = (mark * (~single) * (mark > degree - 0.5)).sum()
+        mixed = (mark * (~single) * (mark <= degree - 0.5)).sum()
+        whole = (n_heads - mark.shape[1]) * n_marked  # heads kept whole keep the needle intact
+        total = n_heads * n_marked
+        evicted = total - whole - mark.sum()
+        rows.append(torch.stack([intact + whole, pure, mixed, evicted]) / total)
+    return torch.stack(rows)
+
+
+def parse_params(text: str) -> dict:
+    params = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        for cast in (int, float):
+            with contextlib.suppress(ValueError):
+                value = cast(value)
+                break
+        params[key] = value
+    return params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--budgets", default="0.5,0.25")
+    parser.add_argument("--default", default="", help="CentroidKV params of 'default' (k=v,...)")
+    parser.add_argument("--best", default="similarity=pre_rope", help="CentroidKV params of 'best' (k=v,...)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    configs = {
+        "full": get_method("full"),
+        "default": get_method("centroidkv", **parse_params(args.default)),
+        "best": get_method("centroidkv", **parse_params(args.best)),
+        "streaming_llm": get_method("streaming_llm"),
+    }
+    model, tokenizer = load_model("smollm2-135m")
+    needs = [*needs_of(configs.values()), NEEDLE]
+    fate: dict[tuple[str, str, float], torch.Tensor] = {}
+    scores: dict[tuple[str, str, float], list[float]] = {}
+    n_tokens: dict[str, list[int]] = {}
+    for kind in VALUE_KINDS:
+        with value_kind(kind) as task:
+            samples = generate_samples(task, args.length, tokenizer, args.samples, seed=0)
+        for sample in tqdm(samples, desc=kind, unit="prompt"):
+            head, tail = encode_prompt(sample, tokenizer, context_only=False)
+            positions = value_positions(head, sample["answers"][0], tokenizer)
+            n_tokens.setdefault(kind, []).append(len(positions))
+            MARK.positions = torch.tensor(positions)
+            pre = prefill(model, torch.tensor([head]), args.max_new_tokens, needs=needs)
+            for name, method in configs.items():
+                for budget in budgets if method.compresses else [1.0]:
+                    if kind == VALUE_KINDS[0] and method.compresses:
+                        cache = pre.cache.fork(method, budget, needs=[NEEDLE])
+                        key = (kind, name, budget)
+                        fate[key] = fate.get(key, 0) + needle_fate(cache, len(positions)) / len(samples)
+                        del cache
+                    result = generate_from(model, pre, method, budget, args.max_new_tokens)
+                    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+                    scores.setdefault((kind, name, budget), []).append(
+                        ruler_score("niah", text, sample["answers"])
+                    )
+            del pre
+
+    print(
+        "\n## Needle fate per layer (7-digit values, essay haystack): intact / merged-needle / merged-haystack / evicted"
+    )
+    for budget in budgets:
+        print(f"\nbudget {budget}\n\n| layer | " + " | ".join(n for n in configs if n != "full") + " |")
+        print("|---|" + "---|" * (len(configs) - 1))
+        n_layers = next(iter(fate.values())).shape[0]
+        for layer in [*range(0, n_layers, 3), n_layers - 1]:
+            cells = []
+            for name in configs:
+                if name == "full":
+                    continue
+                shares = fate[(VALUE_KINDS[0], name, budget)][layer]
+                cells.append(" / ".join(f"{100 * float(s):.0f}" for s in shares))
+            print(f"| {layer} | " + " | ".join(cells) + " |")
+        means = {n: fate[(VALUE_KINDS[0], n, budget)].mean(0) for n in configs if n != "full"}
+        print(
+            "| mean | "
+            + " | ".join(" / ".join(f"{100 * float(s):.0f}" for s in m) for m in means.values())
+            + " |"
+        )
+
+    print("\n## Score by needle value type (niah_single_2, % of prompts whose answer contains the value)\n")
+    print(
+        "| value (tokens) | "
+        + " | ".join(f"{n} {b}" for n in configs for b in (budgets if n != "full" else [1.0]))
+        + " |"
+    )
+    print("|---|" + "---|" * (1 + (len(configs) - 1) * len(budgets)))
+    for kind in VALUE_KINDS:
+        tokens = n_tokens[kind]
+        cells = [
+            f"{sum(scores[(kind, n, b)]) / len(scores[(kind, n, b)]):.0f}"
+            for n in configs
+            for b in (budgets if n != "full" else [1.0])
+        ]
+        print(f"| {kind} ({min(tokens)}-{max(tokens)}) | " + " | ".join(cells) + " |")
+    print(
+        f"\n{args.samples} prompts per value type, {args.length} tokens, seed 0; default={configs['default']}"
+    )
+    print(f"best={configs['best']}")
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
