@@ -159,10 +159,16 @@ def store_configs() -> None:
     from centroidkv import get_method, method_names
 
     store = ConfigStore.instance()
-    for name in method_names():
+    registered = {"method": method_names(), "benchmark": benchmark_names()}
+    for group, names in registered.items():  # forget options whose method or benchmark is gone
+        options = store.repo.get(group, {})
+        for option in [o for o, node in options.items() if node.provider == "centroidkv"]:
+            if option.removesuffix(".yaml") not in names:
+                del options[option]
+    for name in registered["method"]:
         node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
         store.store(group="method", name=name, node=node, provider="centroidkv")
-    for name in benchmark_names():
+    for name in registered["benchmark"]:
         node = build_benchmark({"name": name})[0].params()
         store.store(group="benchmark", name=name, node=node, provider="centroidkv")
 

@@ -56,11 +56,16 @@ def main(cfg: DictConfig) -> None:
         )
 
 
+def hydra_argv(argv: list[str]) -> list[str]:
+    """The command line as Hydra reads it: `--force` is the override `overwrite=true`."""
+    return ["overwrite=true" if arg == "--force" else arg for arg in argv]
+
+
 def cli(argv: list[str]) -> None:
     """Validate the whole command line, then hand it to Hydra."""
     from eval.sweep import plan
 
-    argv = ["overwrite=true" if arg == "--force" else arg for arg in argv]
+    argv = hydra_argv(argv)
     try:
         plan(argv)
     except ConfigError as error:

@@ -51,24 +51,25 @@ def wait_for_records(results: Path, pattern: str, n: int, proc: subprocess.Popen
 
 
 # ------------------------------------------------------------------ 1. resuming with another config
-def test_killed_job_resumed_with_another_config_is_refused_then_overwritten(tmp_path):
-    """Killed at a few records, rerun after its experiment file changed max_new_tokens (a key that
-    does not name the folder): refused with the differing key, nothing touched; --force starts the
-    job again and keeps the old records aside."""
+def test_a_killed_job_resumes_only_with_its_own_config(tmp_path):
+    """Killed at a few records (kill -9). Rerun after its experiment file changed max_new_tokens (a
+    key that does not name the folder): refused, naming the key, nothing touched. Rerun with the
+    config it was started with: it completes, every record exactly once, nothing written before the
+    kill lost or redone."""
     configs, results = tmp_path / "configs", tmp_path / "results"
     (configs / "experiment").mkdir(parents=True)
     experiment = configs / "experiment" / "mix.yaml"
     experiment.write_text("# @package _global_\nexperiment_name: mix\nbenchmark:\n  max_new_tokens: 6\n")
-    args = ["-cd", str(configs), "experiment=mix", *TINY, f"results_dir={results}", "method=full",
-            "benchmark.n_samples=60", "benchmark.ignore_eos=true"]  # fmt: skip
+    args = ["-cd", str(configs), "experiment=mix", *TINY, f"results_dir={results}", "methods=[full,streaming_llm]",
+            "budgets=[0.5]", "benchmark.n_samples=30"]  # fmt: skip
     first = subprocess.Popen([*RUN, *args], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        records_path = wait_for_records(results, "mix/*/records.jsonl", 3, first)
+        records_path = wait_for_records(results, "mix/*/records.jsonl", 5, first)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     before = records_path.read_bytes()
-    assert 3 <= len(before.splitlines()) < 60 and not (records_path.parent / "done.json").exists()
+    assert 5 <= len(before.splitlines()) < 60 and not (records_path.parent / "done.json").exists()
 
     experiment.write_text(experiment.read_text().replace("max_new_tokens: 6", "max_new_tokens: 3"))
     refused = run(args, timeout=120)
@@ -81,12 +82,39 @@ def test_killed_job_resumed_with_another_config_is_refused_then_overwritten(tmp_
     )
     assert records_path.read_bytes() == before  # nothing touched
 
-    forced = run([*args, "--force"])
-    assert forced.returncode == 0, forced.stderr[-2000:]
-    records, _ = read_records(records_path)
-    assert len(records) == 60 and {r["n_generated"] for r in records} == {3}  # one config, all of them
-    (kept,) = records_path.parent.glob("records.jsonl.replaced-*")
-    assert kept.read_bytes().startswith(before[: before.rindex(b"\n") + 1])  # the old records, kept aside
+    experiment.write_text(experiment.read_text().replace("max_new_tokens: 3", "max_new_tokens: 6"))
+    resumed = run(args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    lines = records_path.read_text().splitlines()
+    keys = [record_key(json.loads(line)) for line in lines]
+    assert len(keys) == len(set(keys)) == 60  # every sample x method exactly once
+    after = {record_key(r): r for r in map(json.loads, lines)}
+    for record in map(json.loads, before.decode().splitlines()[:-1]):  # the last line may be torn
+        assert after[record_key(record)] == record
+
+
+def test_overwrite_sets_the_old_records_aside_and_starts_again(tmp_path):
+    from test_harness import run_cfg
+
+    from eval.records import JobMismatch
+    from eval.runner import config_yaml_of, run_job
+    from scripts.run import hydra_argv
+
+    cfg, raw = run_cfg(tmp_path, ["method=full", "benchmark.n_samples=2", "benchmark.max_new_tokens=6"])
+    run_job(cfg, config_yaml_of(cfg, raw))
+    old = (cfg.job_dir / "records.jsonl").read_text()
+    changed, raw = run_cfg(tmp_path, ["method=full", "benchmark.n_samples=2", "benchmark.max_new_tokens=3"])
+    assert changed.job_dir == cfg.job_dir
+    with pytest.raises(JobMismatch, match="benchmark.max_new_tokens: 6 -> 3"):
+        run_job(changed, config_yaml_of(changed, raw))
+    assert hydra_argv(["-m", "a=1", "--force"]) == ["-m", "a=1", "overwrite=true"]
+    forced, raw = run_cfg(tmp_path, ["method=full", "benchmark.n_samples=2", "benchmark.max_new_tokens=3",
+                                     "overwrite=true"])  # fmt: skip
+    run_job(forced, config_yaml_of(forced, raw))
+    records, _ = read_records(cfg.job_dir / "records.jsonl")
+    assert len(records) == 2 and all(r["n_generated"] <= 3 for r in records)
+    (kept,) = cfg.job_dir.glob("records.jsonl.replaced-*")
+    assert kept.read_text() == old and JobStore(cfg.job_dir).finished
 
 
 def test_identity_names_model_dtype_device_benchmark_and_each_variant(tmp_path):
