@@ -6,7 +6,7 @@ PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
 MODEL   ?= smollm2-135m
 
-.PHONY: setup test lint bench demo clean-venv
+.PHONY: setup test lint bench throughput demo clean-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) scripts/bench_decode.py
 	$(PYTHON) scripts/bench_kmeans.py
+
+# Largest batch under a KV-memory cap and decode tokens/s per method (MODEL=..., ARGS="--length 4096").
+throughput: $(STAMP)
+	$(PYTHON) scripts/bench_throughput.py --model $(MODEL) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

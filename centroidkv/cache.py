@@ -300,9 +300,12 @@ class CompressedLayer(DynamicLayer):
             setattr(twin, attr, getattr(self, attr))
         twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
         for name in owner.entry_needs:
-            if name not in self.extras:
+            if name in self.extras:
+                twin.extras[name] = self.extras[name]
+            elif RECORDERS[name].rebuildable and self.length == self.n_seen and self.whole_heads is None:
+                twin.extras[name] = RECORDERS[name].initial(0, tuple(self.keys.shape[:3]), self.keys.device)
+            else:
                 raise ValueError(f"{owner.method.name} needs {name!r}, which the source cache did not record")
-            twin.extras[name] = self.extras[name]
         for name, window in owner.window_needs.items():
             if name not in self.windows or self.windows[name].shape[2] < window:
                 raise ValueError(

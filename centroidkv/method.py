@@ -6,7 +6,8 @@ after prefill and whenever decoding has added `compress_interval` tokens beyond 
 attention then adds log(degree) to the logits (`centroidkv.attention`). Our decisions where the paper
 is silent, with the evidence: docs/method.md and the README's decision table.
 
-Parameters (defaults: the paper's where it gives them, ours otherwise):
+Parameters (defaults: the paper's where it gives them, ours otherwise; ours are the best configuration
+of the ablation on the embedded model, `make ablate`, README "Choosing the defaults"):
   chunk_size: c, tokens per chunk; matching stays inside a chunk (paper: 256; even, >= 2).
   schedule: "linear" (the paper's r_j = r_init - j * delta_r, clamped to [r_min, 1]) or "adaptive"
     (each round merges the edges at or above the round's mean similarity; `centroidkv.schedule`).
@@ -42,24 +43,18 @@ SIMILARITIES = ("post_rope", "pre_rope")
 SCHEDULES = ("linear", "adaptive")
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    """transformers' Llama/Mistral/Qwen2 RoPE layout: the pairs are (i, i + D/2)."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
 def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
     """Keys [B, H, T, D] rotated back by their (possibly fractional) positions [B, H, T], float32.
 
-    Uses the model's own rotary embedding module (`rotary(x, position_ids) -> cos, sin`), so scaled
-    variants (Llama-3's) are what the model applied. A constant attention scaling of cos/sin only
-    rescales the result, which cosine similarity ignores.
+    Uses the model's own rotary embedding module's frequencies (`rotary.inv_freq`, in which scaled
+    variants such as Llama-3's are already applied) and transformers' Llama/Mistral/Qwen2 layout, where
+    dimension i pairs with i + D/2. The module's attention scaling of cos/sin only rescales keys, which
+    cosine similarity ignores. Inverse of (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     """
-    batch, heads, length, head_dim = keys.shape
-    flat = keys.float().reshape(batch * heads, length, head_dim)
-    cos, sin = rotary(flat, positions.float().reshape(batch * heads, length))
-    unrotated = flat * cos.float() - rotate_half(flat) * sin.float()  # the inverse of k cos + rot(k) sin
-    return unrotated.view(batch, heads, length, head_dim)
+    angle = positions.float().unsqueeze(-1) * rotary.inv_freq.float()  # [B, H, T, D/2]
+    cos, sin = angle.cos(), angle.sin()
+    rotated_1, rotated_2 = keys.float().chunk(2, dim=-1)
+    return torch.cat([rotated_1 * cos + rotated_2 * sin, rotated_2 * cos - rotated_1 * sin], dim=-1)
 
 
 @register
@@ -70,12 +65,12 @@ class CentroidKV(Method):
     merges = True
 
     chunk_size: int = 256
-    schedule: str = "linear"
+    schedule: str = "adaptive"
     r_init: float = 0.5
     delta_r: float = 0.0
     r_min: float = 0.1
-    similarity: str = "post_rope"
-    outlier_heads: str = "none"
+    similarity: str = "pre_rope"
+    outlier_heads: str = "auto"
     outlier_fraction: float = 0.04
 
     def validate(self) -> None:

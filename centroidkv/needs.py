@@ -39,6 +39,7 @@ class Recorder:
     window: bool = False
     merge: str = "sum"  # entry records: "sum" or "mean" (degree-weighted) when entries merge
     uses_received: bool = False  # entry records fed by the attention each entry receives
+    rebuildable: bool = False  # entry records that `initial` rebuilds for a cache never compressed
 
     def initial(self, first_position: int, shape: tuple[int, int, int], device: torch.device) -> Tensor:
         """Entry records: the values of `shape[-1]` new entries whose first position is `first_position`."""
@@ -68,6 +69,7 @@ class Position(Recorder):
     """The position of each entry; a centroid's is the degree-weighted mean of its members' positions."""
 
     merge = "mean"
+    rebuildable = True  # an uncompressed cache's entries sit at 0, 1, 2, ...
 
     def initial(self, first_position, shape, device):
         positions = torch.arange(

@@ -2,8 +2,9 @@
 
 One essay prompt of `--length` tokens, one shared prefill (recording what every configuration needs),
 then each (configuration, budget) forks and compresses it `--repeats` times (the median is kept).
-Prints the compression time, its ratio to the prefill time and the effective KV ratio
-(bytes stored / full-cache bytes). The defaults' criterion: compression <= 5 % of the prefill at 8k.
+Prints the compression time, its ratio to the prefill time and to the old default's (configurations
+are interleaved, so a shared machine slows them alike) and the effective KV ratio (bytes stored /
+full-cache bytes). The defaults' criterion: compression <= 5 % of the prefill at 8k.
 
     python scripts/bench_centroidkv_configs.py --length 8192
 """
@@ -27,13 +28,13 @@ from eval.ruler.haystack import essay_text  # noqa: E402
 CONFIGS = {
     "post-none-c256-const (old default)": {},
     "post-none-c256-adapt": {"schedule": "adaptive"},
-    "pre-none-c64-const": {"similarity": "pre_rope", "chunk_size": 64},
-    "pre-none-c256-const": {"similarity": "pre_rope"},
-    "pre-none-c256-adapt": {"similarity": "pre_rope", "schedule": "adaptive"},
-    "pre-out-c256-const": {"similarity": "pre_rope", "outlier_heads": "auto"},
-    "pre-out-c256-adapt": {"similarity": "pre_rope", "schedule": "adaptive", "outlier_heads": "auto"},
     "post-out-c64-const": {"outlier_heads": "auto", "chunk_size": 64},
-    "anneal (r 1.0 - 0.2 j, floor 0.3)": {"r_init": 1.0, "delta_r": 0.2, "r_min": 0.3},
+    "post-out-c256-const": {"outlier_heads": "auto"},
+    "post-out-c64-adapt": {"outlier_heads": "auto", "chunk_size": 64, "schedule": "adaptive"},
+    "pre-none-c64-const": {"similarity": "pre_rope", "chunk_size": 64},
+    "pre-out-c256-const": {"similarity": "pre_rope", "outlier_heads": "auto"},
+    "pre-out-c256-adapt": {"similarity": "pre_rope", "outlier_heads": "auto", "schedule": "adaptive"},
+    "post-none-c256-anneal (r 1.0 - 0.2 j, floor 0.3)": {"r_init": 1.0, "delta_r": 0.2, "r_min": 0.3},
 }
 
 
@@ -50,19 +51,25 @@ def main() -> None:
     methods = {name: get_method("centroidkv", **params) for name, params in CONFIGS.items()}
     prefilled = prefill(model, ids, 0, needs=needs_of(methods.values()))
     print(f"{ids.shape[1]} tokens, prefill {prefilled.seconds:.2f} s, {args.threads} threads\n")
-    print("| configuration | budget | compress s | / prefill | KV ratio |\n|---|---|---|---|---|")
-    for name, method in methods.items():
-        for budget in (float(b) for b in args.budgets.split(",")):
-            times = []
-            for _ in range(args.repeats):
+    budgets = [float(b) for b in args.budgets.split(",")]
+    times: dict[tuple[str, float], list[float]] = {}
+    ratios: dict[tuple[str, float], float] = {}
+    for _ in range(args.repeats):  # configurations interleaved, so a busy machine slows them alike
+        for name, method in methods.items():
+            for budget in budgets:
                 start = time.perf_counter()
                 cache = prefilled.cache.fork(method, budget)
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
-            print(
-                f"| {name} | {budget} | {seconds:.3f} | {100 * seconds / prefilled.seconds:.1f} % | "
-                f"{cache.kv_ratio():.3f} |"
-            )
+                times.setdefault((name, budget), []).append(time.perf_counter() - start)
+                ratios[(name, budget)] = cache.kv_ratio()
+    reference = {b: statistics.median(times[(next(iter(methods)), b)]) for b in budgets}
+    print("| configuration | budget | compress s | / prefill | / old default | KV ratio |")
+    print("|---|---|---|---|---|---|")
+    for (name, budget), measured in times.items():
+        seconds = statistics.median(measured)
+        print(
+            f"| {name} | {budget} | {seconds:.3f} | {100 * seconds / prefilled.seconds:.1f} % | "
+            f"{seconds / reference[budget]:.2f} | {ratios[(name, budget)]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
-from eval.metrics import ruler_score  # noqa: E402
+from eval.metrics import string_match_all  # noqa: E402
 from eval.ruler import haystack as hs  # noqa: E402
 from eval.ruler.constants import TASKS  # noqa: E402
 from eval.ruler.tasks import generate_samples  # noqa: E402
@@ -160,7 +160,7 @@ def main() -> None:
                     result = generate_from(model, pre, method, budget, args.max_new_tokens)
                     text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
                     scores.setdefault((kind, name, budget), []).append(
-                        ruler_score("niah", text, sample["answers"])
+                        100 * string_match_all(text, sample["answers"])
                     )
             del pre
 

@@ -78,7 +78,7 @@ def test_compression_shrinks_tensors_and_keeps_invariants(tiny_model):
             assert torch.equal(a[:, :, :16], b[:, :, :16])
             assert torch.equal(a[:, :, -64:], b[:, :, -64:])
     heads, head_dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
-    per_entry = heads * (2 * head_dim * 4 + 4)  # float32 keys + values, float32 log-degree
+    per_entry = heads * (2 * head_dim * 4 + 4 + 4)  # float32 keys + values, log-degree, position (pre-RoPE)
     assert cache.kv_bytes() == len(cache.layers) * budget_len * per_entry
     assert recorder.kv_bytes() == len(cache.layers) * 400 * heads * 2 * head_dim * 4
 

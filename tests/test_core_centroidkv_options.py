@@ -66,13 +66,15 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
 
 
 def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_path):
-    """outlier_heads="none" (the default) = Chunked Soft Matching on every head, as before the option."""
+    """outlier_heads="none" = Chunked Soft Matching on every head, as before the option (with the
+    parameters of that time: post-RoPE, constant r = 0.5)."""
     recorder = CompressedCache("full", 1.0, 0)
     tiny_model(prompt(300), past_key_values=recorder)
     zero = head_file(tmp_path, tiny_model, [[1.0, 2.0]] * 2)
+    before = dict(chunk_size=32, similarity="post_rope", schedule="linear", r_init=0.5, delta_r=0.0)
     for method in (
-        get_method("centroidkv", chunk_size=32),
-        get_method("centroidkv", chunk_size=32, outlier_heads=zero, outlier_fraction=0.0),
+        get_method("centroidkv", outlier_heads="none", **before),
+        get_method("centroidkv", outlier_heads=zero, outlier_fraction=0.0, **before),
     ):
         cache = recorder.fork(method, 0.4)
         for source, layer in zip(recorder.layers, cache.layers, strict=True):
@@ -187,6 +189,14 @@ def test_adaptive_merge_count_follows_the_similarity_distribution():
     assert schedule.merge_count(0, two_level, 100, 7) == 7  # never beyond the excess
 
 
+def test_auto_on_a_model_too_small_for_one_outlier_head_neither_reads_nor_calibrates(tiny_model, monkeypatch):
+    import centroidkv.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    method = get_method("centroidkv", outlier_heads="auto")  # 4 % of 2 x 2 heads rounds to none
+    assert method.kept_whole(tiny_model) == {}
+
+
 def test_worst_heads_and_calibration_on_a_tiny_model(tiny_model):
     assert worst_heads([[0.1, 0.5], [0.3, 0.2]], 0.5) == {0: [1], 1: [0]}
     assert worst_heads([[0.1, 0.5], [0.3, 0.2]], 0.0) == {}
@@ -212,7 +222,7 @@ def test_bad_options_fail_with_one_clear_line(params, message):
 
 def test_a_head_file_of_another_model_is_refused(tiny_model, tmp_path):
     path = head_file(tmp_path, tiny_model, [[1.0, 0.0]] * 2, name="smollm2-135m")
-    method = get_method("centroidkv", outlier_heads=path)
+    method = get_method("centroidkv", outlier_heads=path, outlier_fraction=0.5)
     with pytest.raises(ValueError, match="calibrated on 'smollm2-135m'"):
         method.check_model("tiny-llama")  # what the runner's validation calls before loading a model
     with pytest.raises(ValueError, match="not 'tiny-"):

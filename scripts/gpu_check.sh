@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU check: everything a lent GPU (one H200, <= 8 minutes) can show about the paper's speed and memory
+# claims, written into one folder: summary.md (tables, beside the paper's figures), results.json, log.txt.
+# What it runs: scripts/gpu_check.py (TPOT full vs CentroidKV 0.25 at 16k/32k/64k on random-llama3.1-8b
+# in bf16, peak GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn
+# vs the reference, the throughput table).
+#
+#   scripts/gpu_check.sh [OUTPUT_DIR]            # on the GPU machine (default OUTPUT_DIR: $OUT or gpu_check_out)
+#   scripts/gpu_check.sh --dry-run [OUTPUT_DIR]  # the same code at tiny sizes on a CPU (tests run this)
+#
+# The GPU machine has no internet and its own PyTorch and transformers (2.11 / 5.17 when last seen); the
+# project is used from the working tree (PYTHONPATH), not installed. Packages it lacks travel as wheels:
+#   1. here, in the repository root, once:
+#        echo /.whl/ >> .git/info/exclude
+#        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#          -d .whl NAME==VERSION
+#      e.g. transformers==5.2.0 (pure Python) to run with the version this project pins instead of the
+#      machine's; flash-attn (the `gpu` extra) only where a wheel matches the machine's torch and CUDA.
+#   2. on the machine, carry `.whl` with the call; this script installs every .whl/*.whl into
+#      /tmp/centroidkv-site (--no-index --no-deps) and puts it first on PYTHONPATH.
+# Before anything runs, the script checks that every module the check imports is importable and exits
+# with code 2 and the list of what is missing (and how to bring it) otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DRY_RUN=()
+if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=(--dry-run); shift; fi
+OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+PYTHON="${PYTHON:-$( [[ -x .venv/bin/python && ${#DRY_RUN[@]} -gt 0 ]] && echo .venv/bin/python || echo python3 )}"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/centroidkv-site .whl/*.whl
+  export PYTHONPATH="/tmp/centroidkv-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+
+"$PYTHON" - <<'PY' || exit 2
+import importlib.util, sys
+needed = ["torch", "transformers", "tqdm", "safetensors", "torch.nn.attention.flex_attention"]
+missing = [name for name in needed if importlib.util.find_spec(name.split(".")[0]) is None
+           or importlib.util.find_spec(name) is None]
+if missing:
+    sys.exit(f"gpu_check: missing {', '.join(missing)}: bring wheels in .whl/ (see this script's header)")
+import torch, transformers
+optional = "flash_attn: " + ("yes" if importlib.util.find_spec("flash_attn") else "no (the gpu extra; optional)")
+print(f"gpu_check: torch {torch.__version__}, transformers {transformers.__version__}, {optional}")
+PY
+
+mkdir -p "$OUT_DIR"
+"$PYTHON" scripts/gpu_check.py --out "$OUT_DIR" "${DRY_RUN[@]}" 2>&1 | tee "$OUT_DIR/log.txt"
+exit "${PIPESTATUS[0]}"

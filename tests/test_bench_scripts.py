@@ -1,0 +1,62 @@
+"""The throughput benchmark and the GPU check script, at tiny sizes on CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_throughput  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_throughput_batches_fit_the_cap(capsys):
+    args = bench_throughput.parse_args(
+        ["--model", "tiny-llama", "--length", "512", "--new-tokens", "4", "--full-batch", "2",
+         "--runs", "full:1", "centroidkv:0.25", "streaming_llm:0.5"]
+    )  # fmt: skip
+    runs = bench_throughput.throughput_table(args)
+    full, merged, evicted = runs
+    cap = 2 * full.peak_bytes_per_seq
+    assert full.batch == 2 and full.peak_bytes == cap
+    # 2 layers: the prefill transient (layer 0 compressed, layer 1 whole) dominates the peak:
+    # about (0.25 + 1) / 2 of the full cache -> 3 sequences; (0.5 + 1) / 2 -> 2 sequences
+    assert merged.batch == cap // merged.peak_bytes_per_seq == 3
+    assert evicted.batch == cap // evicted.peak_bytes_per_seq == 2
+    assert all(run.peak_bytes <= cap and run.tokens_per_s > 0 for run in runs)
+    assert "| centroidkv | 0.25 |" in capsys.readouterr().out
+
+
+def test_throughput_bad_input_exits_2():
+    for argv in (["--runs", "centroidkv:0.25"], ["--runs", "full:1", "nope:0.5"], ["--model", "gpt-9"]):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_throughput.parse_args(argv)
+        assert exit_info.value.code == 2
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """scripts/gpu_check.sh --dry-run: every section of the GPU check at tiny sizes on the CPU."""
+    completed = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for heading in (
+        "## TPOT and peak memory",
+        "## Compression time per call",
+        "## Fused attention",
+        "## Throughput",
+    ):
+        assert heading in summary
+    assert "sections failed: none" in summary
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(error < 1e-4 for error in (k["error"] for k in results["fused_attention"]["kernels"]))
+    assert (tmp_path / "log.txt").exists()
