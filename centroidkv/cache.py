@@ -238,11 +238,7 @@ class CompressedLayer(DynamicLayer):
         n_sink, n_recent = method.n_sink, method.n_recent
         if length <= budget or self.keys.shape[1] == 0:
             return
-        if budget < n_sink + n_recent + 1:
-            raise ValueError(
-                f"{method.name}: a budget of {budget} tokens cannot hold n_sink={n_sink} + n_recent={n_recent} "
-                "protected tokens; raise the budget or lower n_sink/n_recent"
-            )
+        self.check_protected_fit()
         middle = slice(n_sink, length - n_recent)
         log_degree = self.degrees_or_zeros()
         segment = LayerKV(
@@ -275,6 +271,15 @@ class CompressedLayer(DynamicLayer):
             self.log_degree = splice(log_degree, kept.log_degree)
         self.extras = {name: splice(record, kept.extras[name]) for name, record in self.extras.items()}
         self.n_compressions += 1
+
+    def check_protected_fit(self) -> None:
+        """Raise when this layer's budget cannot hold the protected sinks and recent window."""
+        method, budget = self.owner.method, self.budget_len
+        if budget < method.n_sink + method.n_recent + 1:
+            raise ValueError(
+                f"{method.name}: a budget of {budget} tokens cannot hold n_sink={method.n_sink} + "
+                f"n_recent={method.n_recent} protected tokens; raise the budget or lower n_sink/n_recent"
+            )
 
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place), with
@@ -413,6 +418,15 @@ class CompressedCache(Cache):
         twin.layers = [layer.fork(twin) for layer in self.layers]
         twin.compress_now()
         return twin
+
+    def check_room(self, n_new_tokens: int) -> None:
+        """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
+        whose budget cannot hold the protected tokens (known as soon as the prompt is in)."""
+        for layer in self.layers:
+            if not self.method.compresses or layer.length == 0 or layer.keys.shape[1] == 0:
+                continue  # as in needs_compression: nothing to compress here
+            if layer.length + n_new_tokens > layer.budget_len + self.method.compress_interval - 1:
+                layer.check_protected_fit()
 
     def kv_bytes(self) -> int:
         """Bytes of everything the cache stores: keys, values, log-degrees, the method's entry records

@@ -83,6 +83,8 @@ def prefill(
     needs: Iterable[Need] = (),
 ) -> Prefill:
     """Run the prompt once with a full cache that records `needs` (e.g. `needs_of(methods)`)."""
+    if input_ids.shape[-1] == 0:
+        raise ValueError("prefill needs at least one prompt token, got an empty prompt")
     cache = CompressedCache("full", budget=1.0, max_new_tokens=max_new_tokens, needs=needs)
     with Timer(input_ids.device).span() as span:
         logits = model(input_ids, past_key_values=cache, logits_to_keep=1).logits
@@ -116,6 +118,8 @@ def generate_from(
     follows them. Decoding stops when every row has produced an end-of-sequence token:
     `eos_token_ids` (an empty set never stops), by default the model's generation config.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     eos_token_ids = default_eos(model) if eos_token_ids is None else eos_token_ids
     device = prefilled.first_token.device
     timer = Timer(device)
@@ -128,8 +132,9 @@ def generate_from(
             token = logits[:, -1].argmax(-1, keepdim=True)
         feed_s = feeding.seconds
     kv_bytes_compressed, kv_ratio = cache.kv_bytes(), cache.kv_ratio()
+    cache.check_room(max_new_tokens - 1)  # a budget too small for the protected tokens fails before decoding
 
-    generated = [token]
+    generated = [token][:max_new_tokens]  # max_new_tokens=0: no token at all
     step_times: list[float] = []
     finished = torch.zeros(token.shape[0], dtype=torch.bool, device=device)
     eos = torch.tensor(sorted(eos_token_ids), device=device, dtype=token.dtype)
@@ -143,7 +148,7 @@ def generate_from(
         step_times.append(step.seconds)
         generated.append(token)
     timed = step_times[1:] or step_times
-    ids = torch.cat(generated, dim=1).tolist()
+    ids = torch.cat(generated, dim=1).tolist() if generated else [[] for _ in range(token.shape[0])]
     if eos_token_ids:  # cut each row after its first end-of-sequence token
         ids = [row[: next((i + 1 for i, t in enumerate(row) if t in eos_token_ids), len(row))] for row in ids]
     return Generation(

@@ -22,6 +22,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LOGGERS = ("wandb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
+BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references and ~25 numbers
+
+# The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
+ROOT_KEYS = ("model", "method", "methods", "budgets", "benchmark", "logger", "experiment_name", "results_dir",
+             "retry_failed", "warmup", "overwrite")  # fmt: skip
+MODEL_KEYS = ("name", "dtype", "device")
+METHOD_KEYS = ("name", "budget", "params")
+LOGGER_KEYS = ("name", "project", "mode")
 
 
 class ConfigError(ValueError):
@@ -37,6 +45,15 @@ class ModelConfig:
     name: str
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     device: str | None = None  # None: cuda when available
+
+    def resolved(self) -> tuple[str, str]:
+        """(device, dtype) the model will run with: the harness passes both to `load_model`, so a job's
+        identity names them before the model loads (a CPU job resumed on a GPU would change dtype)."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        return device, dtype
 
 
 @dataclass(frozen=True, eq=True)
@@ -84,6 +101,30 @@ class RunConfig:
     logger: LoggerConfig
     retry_failed: bool = False
     warmup: bool = True
+    overwrite: bool = False  # a job folder holding another config's records: set them aside, start again
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that changes the job's numbers, as flat `key: value` pairs (saved in config.yaml;
+        a resumed job must match it). Not in it: where results go, logging, retry_failed, overwrite."""
+        device, dtype = self.model.resolved()
+        identity: dict[str, Any] = {
+            "model.name": self.model.name,
+            "model.dtype": dtype,
+            "model.device": device.split(":")[0],  # cuda:0 and cuda:1 run the same numbers
+            "warmup": self.warmup,  # timings of the first samples
+        }
+        identity.update({f"benchmark.{k}": v for k, v in self.benchmark.params().items()})
+        for spec in self.methods:
+            prefix = f"methods.{spec.variant}"
+            identity[f"{prefix}.method"] = spec.name
+            identity.update({f"{prefix}.params.{k}": v for k, v in spec.params.items()})
+            identity.setdefault(f"{prefix}.budgets", []).append(spec.budget)
+        return json.loads(json.dumps(identity, default=str))  # plain values, as read back from YAML
+
+    @property
+    def needed_bytes(self) -> int:
+        """A generous estimate of the records' size, for the free-space check."""
+        return self.benchmark.n_expected_samples() * len(self.methods) * BYTES_PER_RECORD + 2**20
 
     @property
     def max_query_window(self) -> int:
@@ -118,10 +159,16 @@ def store_configs() -> None:
     from centroidkv import get_method, method_names
 
     store = ConfigStore.instance()
-    for name in method_names():
+    registered = {"method": method_names(), "benchmark": benchmark_names()}
+    for group, names in registered.items():  # forget options whose method or benchmark is gone
+        options = store.repo.get(group, {})
+        for option in [o for o, node in options.items() if node.provider == "centroidkv"]:
+            if option.removesuffix(".yaml") not in names:
+                del options[option]
+    for name in registered["method"]:
         node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
         store.store(group="method", name=name, node=node, provider="centroidkv")
-    for name in benchmark_names():
+    for name in registered["benchmark"]:
         node = build_benchmark({"name": name})[0].params()
         store.store(group="benchmark", name=name, node=node, provider="centroidkv")
 
@@ -191,7 +238,12 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     from centroidkv.models import check_model_name
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    raw.pop("hydra", None)
     errors: list[str] = []
+    errors.extend(_unknown_keys(raw, ROOT_KEYS, ""))
+    for node, keys in (("model", MODEL_KEYS), ("method", METHOD_KEYS), ("logger", LOGGER_KEYS)):
+        if isinstance(raw.get(node), dict):
+            errors.extend(_unknown_keys(raw[node], keys, f"{node}."))
 
     # --- model ---
     model_raw = raw.get("model") or {}
@@ -265,9 +317,11 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     experiment = raw.get("experiment_name")
     if not isinstance(experiment, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", experiment or ""):
         errors.append(f"experiment_name: must be a plain directory name, got {experiment!r}")
-    for key in ("retry_failed", "warmup"):
+    for key in ("retry_failed", "warmup", "overwrite"):
         if not isinstance(raw.get(key, False), bool):
             errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")
+    if not errors:
+        errors.extend(_protected_windows_errors(specs, benchmark))
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
@@ -281,4 +335,35 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         logger=logger,
         retry_failed=bool(raw.get("retry_failed", False)),
         warmup=bool(raw.get("warmup", True)),
+        overwrite=bool(raw.get("overwrite", False)),
     )
+
+
+def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[str]:
+    return [
+        f"{prefix}{key}: unknown key; {prefix.rstrip('.') or 'the config'} holds {', '.join(known)}"
+        for key in node
+        if key not in known
+    ]
+
+
+def _protected_windows_errors(specs: list[MethodSpec], benchmark: Benchmark) -> list[str]:
+    """One line per (variant, budget) whose budget cannot hold the method's protected tokens (sinks,
+    recent window, one more) at the benchmark's shortest length, when a length counts the sample's
+    prompt and new tokens (RULER, NIAH): every sample would fail at its first compression."""
+    from centroidkv import get_method
+
+    if not benchmark.length_is_tokens:
+        return []
+    shortest = min(benchmark.lengths)
+    errors = []
+    for spec in specs:
+        method = get_method(spec.name, **spec.params)
+        protected = method.n_sink + method.n_recent + 1
+        if method.compresses and int(spec.budget * shortest) < protected:
+            errors.append(
+                f"budgets: {spec.label} keeps {int(spec.budget * shortest)} tokens of a {shortest}-token "
+                f"{benchmark.name} sample, fewer than its {protected} protected (n_sink {method.n_sink} + "
+                f"n_recent {method.n_recent} + 1); raise the budget or lower n_sink/n_recent"
+            )
+    return errors

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict
@@ -20,21 +21,28 @@ from tqdm.auto import tqdm
 
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
-from eval.records import JobStore, environment, record_key
+from eval.hub import offline_unless_reachable
+from eval.records import JobError, JobStore, check_results_folder, environment, record_key
 
 
-class SetupError(RuntimeError):
-    """The model or the samples could not be loaded (hub unreachable, data missing): nothing was written."""
+class SetupError(JobError):
+    """The model or the samples could not be loaded (hub unreachable, data missing)."""
 
 
-def summarize(records: list[dict]) -> dict[str, Any]:
-    """Mean score / TPOT / KV bytes per variant@budget, plus counts."""
+class NoSuccessError(JobError):
+    """Every record of the job failed: it is not marked done, so a rerun tries again."""
+
+
+def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
+    """Mean score / TPOT / KV bytes per variant@budget, plus counts (records, failed, torn or corrupt
+    lines dropped from records.jsonl when the job resumed)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         groups[f"{record.get('variant') or record['method']}@{record['budget']:g}"].append(record)
     summary: dict[str, Any] = {
         "n_records": len(records),
         "n_failed": sum(r["status"] != "ok" for r in records),
+        "n_dropped_lines": n_dropped_lines,
     }
     for label, group in sorted(groups.items()):
         ok = [r for r in group if r["status"] == "ok"]
@@ -46,35 +54,73 @@ def summarize(records: list[dict]) -> dict[str, Any]:
 
 
 def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
-    """Run (or resume) one job; returns its summary, or None when it was already finished."""
+    """Run (or resume) one job; returns its summary, or None when it was already finished.
+
+    Before the model loads: the results folder is checked (writable, room for the records), the job's
+    lock is taken, and the folder's saved identity must match this config's (unless `overwrite`).
+    Raises a JobError (one line) when the job cannot run or when no record succeeded.
+    """
+    check_results_folder(cfg.job_dir, cfg.needed_bytes)
     store = JobStore(cfg.job_dir)
+    stale = store.lock()
+    try:
+        if stale:
+            print(
+                f"[lock] {cfg.job_dir}: took over the lock of {stale}, which is no longer running",
+                file=sys.stderr,
+            )
+        return _run_locked(cfg, config_yaml, store)
+    finally:
+        store.unlock()
+
+
+def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, Any] | None:
+    identity = cfg.identity()
+    if cfg.overwrite and store.has_results:
+        kept = store.set_aside()
+        print(
+            f"[overwrite] {cfg.job_dir}: starting again"
+            + (f", previous records kept as {kept.name}" if kept else "")
+        )
+    store.check_identity(identity)
     if store.finished:
-        print(f"[skip] {cfg.job_dir} is finished (delete done.json to rerun it)")
+        print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
         return None
     from centroidkv import load_model, load_tokenizer
+    from centroidkv.models import HUB_MODELS
 
-    dtype = getattr(torch, cfg.model.dtype) if cfg.model.dtype else None
+    if cfg.model.name in HUB_MODELS or cfg.benchmark.needs_hub:
+        offline_unless_reachable()
+    device, dtype = cfg.model.resolved()
     try:
-        model, tokenizer = load_model(cfg.model.name, dtype=dtype, device=cfg.model.device)
+        model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)
         if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
             tokenizer = load_tokenizer("smollm2-135m")
         samples = cfg.benchmark.samples(tokenizer)
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
         raise SetupError(
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        ) from error
-    device = str(next(model.parameters()).device)
-    store.prepare(config_yaml, environment(device))
+        ) from None
+    document = OmegaConf.to_container(OmegaConf.create(config_yaml)) or {}
+    document["identity"] = identity
+    store.prepare(
+        OmegaConf.to_yaml(OmegaConf.create(document)), environment(str(next(model.parameters()).device))
+    )
     existing = store.load()
+    if store.n_dropped:
+        print(
+            f"[resume] {store.records_path}: dropped {store.n_dropped} torn or corrupt line(s)",
+            file=sys.stderr,
+        )
     done = {record_key(r) for r in existing if r["status"] == "ok" or not cfg.retry_failed}
 
     from eval.wandb_logger import make_logger
 
-    logger = make_logger(cfg, OmegaConf.to_container(OmegaConf.create(config_yaml)))
+    logger = make_logger(cfg, document)
     evaluator = Evaluator(model, tokenizer, cfg.methods, cfg.benchmark)
     if cfg.warmup:
         warm_up(evaluator)
-    records = list(existing)
+    records = {record_key(r): r for r in existing}
     started = time.perf_counter()
     bar = tqdm(samples, desc=f"{cfg.experiment}/{cfg.job}", unit="sample", dynamic_ncols=True)
     for sample in bar:
@@ -88,15 +134,22 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
             record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job)
             store.append(record)
             logger.log_record(record)
-            records = [r for r in records if record_key(r) != record_key(record)] + [record]
-        ok = [r for r in records if r["status"] == "ok" and r.get("score") is not None]
+            records.pop(record_key(record), None)  # a retried record moves to the end, as in the file
+            records[record_key(record)] = record
+        ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
         if ok:
             bar.set_postfix(
                 score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
             )
-    summary = summarize(records)
+    summary = summarize(list(records.values()), store.n_dropped)
     summary["wall_s"] = time.perf_counter() - started
-    logger.finish(summary, records)
+    logger.finish(summary, list(records.values()))
+    if summary["n_records"] == summary["n_failed"]:
+        first = next((r.get("error") for r in records.values() if r.get("error")), "no sample")
+        raise NoSuccessError(
+            f"{cfg.job_dir}: none of the {summary['n_records']} records succeeded (first error: {first}); "
+            "the job is not marked done"
+        )
     store.finish(summary)
     return summary
 

@@ -4,9 +4,13 @@ Examples:
   python scripts/run.py experiment=reproduce_ruler_cpu
   python scripts/run.py -m method=centroidkv,snapkv method.budget=0.25,0.5 benchmark.n_samples=5
   python scripts/run.py model=tiny-llama benchmark=toy logger=none
+  python scripts/run.py ... --force      # the same as overwrite=true: start a job folder again
 
-The composed config is validated into typed objects first; each bad value prints one line on stderr
-and the process exits with code 2 before any model loads or any file is written.
+Before any job runs, the whole command line is validated (every job of a sweep, Hydra's own errors
+included) and every job folder is checked: each problem prints one line on stderr and the process
+exits with code 2, before any model loads or any file is written. A job exits with code 2 when
+another run holds its folder, and 1 when it could not load its model or data, could not write its
+results, or none of its records succeeded.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from eval.config import ConfigError, build_run_config, job_name_from_overrides, store_configs  # noqa: E402
 
-store_configs()  # method=<name> for every registered method, from its dataclass defaults
+store_configs()  # method=<name> and benchmark=<name> for every registered one, from their dataclasses
 
 
 @hydra.main(config_path=str(ROOT / "configs"), config_name="config", version_base="1.3")
@@ -35,16 +39,42 @@ def main(cfg: DictConfig) -> None:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
-    from eval.runner import SetupError, config_yaml_of, run_job
+    from eval.records import JobError
+    from eval.runner import config_yaml_of, run_job
 
     try:
         summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
-    except SetupError as error:
+    except JobError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(error.exit_code)
     if summary is not None:
-        print(f"[done] {run_cfg.job_dir} ({summary['n_records']} records, {summary['n_failed']} failed)")
+        dropped = summary.get("n_dropped_lines", 0)
+        print(
+            f"[done] {run_cfg.job_dir} ({summary['n_records']} records, {summary['n_failed']} failed"
+            + (f", {dropped} torn or corrupt lines dropped" if dropped else "")
+            + ")"
+        )
+
+
+def hydra_argv(argv: list[str]) -> list[str]:
+    """The command line as Hydra reads it: `--force` is the override `overwrite=true`."""
+    return ["overwrite=true" if arg == "--force" else arg for arg in argv]
+
+
+def cli(argv: list[str]) -> None:
+    """Validate the whole command line, then hand it to Hydra."""
+    from eval.sweep import plan
+
+    argv = hydra_argv(argv)
+    try:
+        plan(argv)
+    except ConfigError as error:
+        for line in error.lines:
+            print(f"config error: {line}", file=sys.stderr)
+        sys.exit(2)
+    sys.argv = [sys.argv[0], *argv]
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli(sys.argv[1:])

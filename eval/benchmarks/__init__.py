@@ -49,6 +49,9 @@ class Benchmark:
     """
 
     name: ClassVar[str] = "base"
+    # True when a length is the sample's prompt + new tokens in tokens (the protected-window check
+    # against the budget then runs at validation, before any model loads).
+    length_is_tokens: ClassVar[bool] = False
 
     tasks: tuple[str, ...] = ()
     lengths: tuple[int, ...] = ()
@@ -91,6 +94,15 @@ class Benchmark:
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"benchmark.{key}: must be true or false, got {getattr(self, key)!r}")
         return errors
+
+    @property
+    def needs_hub(self) -> bool:
+        """Whether loading the samples may reach the Hugging Face Hub."""
+        return False
+
+    def n_expected_samples(self) -> int:
+        """How many samples `load` gives at most (for the results folder's space check)."""
+        return len(self.tasks) * len(self.lengths) * self.n_samples
 
     # --- shared ---------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:

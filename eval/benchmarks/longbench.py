@@ -44,6 +44,10 @@ class LongBench(Benchmark):
             errors.append(f"benchmark.data_dir: no such folder {self.data_dir!r}")
         return errors
 
+    @property
+    def needs_hub(self) -> bool:
+        return self.data_dir is None
+
     def load(self, tokenizer) -> list[Sample]:
         from eval.longbench import load_samples
 

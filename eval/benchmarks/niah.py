@@ -16,6 +16,7 @@ from eval.ruler.tasks import MIN_LENGTH
 @dataclass(frozen=True)
 class Niah(Benchmark):
     name = "niah"
+    length_is_tokens = True
 
     tasks: tuple[str, ...] = ("niah",)
     lengths: tuple[int, ...] = (1024, 2048, 4096)
@@ -35,6 +36,9 @@ class Niah(Benchmark):
             if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 100:
                 errors.append(f"benchmark.depths: each depth must be a percentage in [0, 100], got {depth!r}")
         return errors
+
+    def n_expected_samples(self) -> int:
+        return len(self.lengths) * len(self.depths) * self.n_samples
 
     def load(self, tokenizer) -> list[Sample]:
         from eval.niah import generate_niah

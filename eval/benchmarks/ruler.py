@@ -19,6 +19,7 @@ from eval.ruler.tasks import MIN_LENGTH
 @dataclass(frozen=True)
 class Ruler(Benchmark):
     name = "ruler"
+    length_is_tokens = True
 
     tasks: tuple[str, ...] = TASK_NAMES
     lengths: tuple[int, ...] = (4096,)
@@ -35,6 +36,10 @@ class Ruler(Benchmark):
             if isinstance(length, int) and 16 <= length < MIN_LENGTH:
                 errors.append(f"benchmark.lengths: RULER needs lengths >= {MIN_LENGTH} tokens, got {length}")
         return errors
+
+    @property
+    def needs_hub(self) -> bool:
+        return any(task in HUB_TASKS for task in self.tasks)
 
     def load(self, tokenizer) -> list[Sample]:
         samples = []

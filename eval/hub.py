@@ -1,0 +1,52 @@
+"""Fail fast without the Hugging Face Hub: probe it once, and go offline when it cannot be reached.
+
+Without `HF_HUB_OFFLINE`, huggingface_hub retries every request to an unreachable Hub with backoff
+(about 75 s for one model) before the loader's clear error. One short connection attempt tells the
+same thing: when it fails, the process switches to offline mode, so cached files still load and
+anything else fails at once with the loader's one-line message.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from urllib.parse import urlparse
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def hub_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hub endpoint (HF_ENDPOINT, default huggingface.co:443) opens
+    within `timeout` seconds, name resolution included."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    result = {"ok": False}
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result["ok"] = True
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True)  # getaddrinfo ignores socket timeouts
+    probe.start()
+    probe.join(timeout)
+    return result["ok"]
+
+
+def offline_unless_reachable(timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Switch huggingface_hub and datasets to offline mode unless the Hub answers; True when offline."""
+    import huggingface_hub.constants as hub_constants
+
+    if hub_constants.HF_HUB_OFFLINE:
+        return True
+    if hub_reachable(timeout):
+        return False
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # for child processes
+    hub_constants.HF_HUB_OFFLINE = True  # read at each request by huggingface_hub and transformers
+    if "datasets" in sys.modules:  # datasets copies the flag at import
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+    return True

@@ -1,0 +1,162 @@
+"""Validate a whole command line (one job or a Hydra sweep) before any job runs.
+
+`plan(argv)` composes every job the command line describes, the way Hydra will (the basic sweeper's
+cartesian product of the sweep overrides, the launcher's per-job composition), validates each into a
+RunConfig, and checks each job's results folder (writable, room for the records, no records of
+another config) and that no two jobs share a folder. Hydra's own errors (an unknown config group, a
+key that does not exist, a malformed override) become one line, like every other config error.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from eval.config import (
+    CONFIG_DIR,
+    ConfigError,
+    RunConfig,
+    build_run_config,
+    job_name_from_overrides,
+    store_configs,
+)
+from eval.records import JobError, JobStore, check_results_folder
+
+INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
+
+
+def plan(argv: list[str]) -> list[RunConfig] | None:
+    """The validated jobs of a `scripts/run.py` command line, in Hydra's order; None when the command
+    line only asks Hydra for information (--help, --cfg, ...). Raises ConfigError (one line each)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path, get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    store_configs()
+    args = get_args_parser().parse_args(argv)
+    if any(getattr(args, flag, None) for flag in INFO_FLAGS):
+        return None
+    config_name = args.config_name or "config"
+    # --config-path is relative to the script that declares @hydra.main (scripts/run.py), as in Hydra
+    config_path = CONFIG_DIR if args.config_path is None else CONFIG_DIR.parent / "scripts" / args.config_path
+    search_path = create_config_search_path(str(config_path.resolve()))
+    if args.config_dir:
+        from hydra.core.config_search_path import SearchPathQuery
+
+        search_path.prepend(
+            "command-line", f"file://{os.path.abspath(args.config_dir)}", SearchPathQuery("schema")
+        )
+    GlobalHydra.instance().clear()
+    hydra = Hydra.create_main_hydra2(task_name="run", config_search_path=search_path)
+    try:
+        jobs = _job_overrides(hydra, config_name, args.overrides, args.multirun, RunMode)
+        configs, errors = [], []
+        swept = _swept(jobs)
+        for index, overrides in enumerate(jobs):
+            cfg = hydra.compose_config(
+                config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
+            )
+            job = job_name_from_overrides(cfg.hydra.job.override_dirname)
+            with open_dict(cfg):
+                del cfg["hydra"]  # its interpolations only resolve inside a running job
+            try:
+                configs.append(build_run_config(cfg, job))
+            except ConfigError as error:
+                where = (
+                    f"job {index} ({','.join(o for o in overrides if o in swept)}): " if len(jobs) > 1 else ""
+                )
+                errors.extend(f"{where}{line}" for line in error.lines)
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as error:  # Hydra's own, one line
+        raise ConfigError([hydra_error_line(error)]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    if errors:
+        raise ConfigError(errors)
+    check_job_folders(configs)
+    return configs
+
+
+def _job_overrides(
+    hydra, config_name: str, overrides: list[str], multirun: bool, run_mode
+) -> list[list[str]]:
+    """The overrides of each job: the command line itself, or the sweep's jobs (basic sweeper)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    mode = hydra.get_mode(config_name=config_name, overrides=overrides)
+    if not (multirun or mode == run_mode.MULTIRUN):
+        return [list(overrides)]
+    master = hydra.compose_config(
+        config_name, overrides, run_mode=run_mode.MULTIRUN, with_log_configuration=False
+    )
+    sweeper = OmegaConf.select(master, "hydra.sweeper._target_") or ""
+    if not sweeper.endswith("BasicSweeper"):
+        raise ConfigError(
+            [f"hydra.sweeper: only the basic sweeper's jobs can be validated ahead, got {sweeper}"]
+        )
+    params = [
+        f"{key}={value}" for key, value in (OmegaConf.select(master, "hydra.sweeper.params") or {}).items()
+    ]
+    parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(
+        [*params, *master.hydra.overrides.task]
+    )
+    hydra_overrides = list(master.hydra.overrides.hydra)
+    return [[*hydra_overrides, *job] for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def _swept(jobs: list[list[str]]) -> set[str]:
+    """The overrides that differ between jobs (what names a job of a sweep)."""
+    everywhere = set.intersection(*(set(job) for job in jobs)) if jobs else set()
+    return {override for job in jobs for override in job} - everywhere
+
+
+def check_job_folders(configs: list[RunConfig]) -> None:
+    """Raise ConfigError unless every job has its own folder, writable, with room, free of another
+    config's records (an `overwrite` job will set those aside)."""
+    errors: list[str] = []
+    seen: dict[Path, int] = {}
+    for index, cfg in enumerate(configs):
+        if cfg.job_dir in seen:
+            errors.append(
+                f"jobs {seen[cfg.job_dir]} and {index} would both write {cfg.job_dir}: make them differ in a key "
+                "that names the job folder (excluded keys such as experiment_name or results_dir do not)"
+            )
+            continue
+        seen[cfg.job_dir] = index
+        try:
+            check_results_folder(cfg.job_dir, cfg.needed_bytes)
+            if not cfg.overwrite:
+                JobStore(cfg.job_dir).check_identity(cfg.identity())
+        except JobError as error:
+            errors.append(str(error))
+    if errors:
+        raise ConfigError(errors)
+
+
+def hydra_error_line(error: BaseException) -> str:
+    """One line for a Hydra or OmegaConf error: its first line, with what it names (the options of a
+    config group, the key that does not exist)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    first, detail = lines[0], None
+    heading = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+    cause = error.__cause__ or error.__context__
+    if heading is not None:  # an unknown config group option: list the options
+        options = lines[heading + 1 :]
+        options = options[
+            : next((i for i, o in enumerate(options) if o.startswith("Config search path")), None)
+        ]
+        detail = f"available: {', '.join(options)}"
+    elif cause is not None and str(cause).strip():  # e.g. Key 'x' is not in struct
+        detail = str(cause).strip().splitlines()[0]
+    elif first.startswith("Could not override"):
+        detail = "no such key"
+    return f"{first} ({detail})" if detail else first
