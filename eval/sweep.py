@@ -10,6 +10,7 @@ key that does not exist, a malformed override) become one line, like every other
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict
@@ -86,7 +87,8 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
 def _job_overrides(
     hydra, config_name: str, overrides: list[str], multirun: bool, run_mode
 ) -> list[list[str]]:
-    """The overrides of each job: the command line itself, or the sweep's jobs (basic sweeper)."""
+    """The overrides of each job: the command line itself, or the sweep's jobs (basic sweeper); none
+    for a sweeper that picks its jobs as it runs."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -97,10 +99,12 @@ def _job_overrides(
         config_name, overrides, run_mode=run_mode.MULTIRUN, with_log_configuration=False
     )
     sweeper = OmegaConf.select(master, "hydra.sweeper._target_") or ""
-    if not sweeper.endswith("BasicSweeper"):
-        raise ConfigError(
-            [f"hydra.sweeper: only the basic sweeper's jobs can be validated ahead, got {sweeper}"]
+    if not sweeper.endswith("BasicSweeper"):  # e.g. an optimiser that picks each job's values as it goes
+        print(
+            f"[sweep] {sweeper} chooses its jobs while it runs: each is validated as it starts",
+            file=sys.stderr,
         )
+        return []
     params = [
         f"{key}={value}" for key, value in (OmegaConf.select(master, "hydra.sweeper.params") or {}).items()
     ]
