@@ -27,6 +27,19 @@ The attention function runs the two groups separately (a query head attends to i
 Heads kept whole are on top of the budget B, which applies to the compressed heads (as in the paper);
 `kv_bytes()` counts every stored tensor and `kv_ratio()` relates it to the full cache.
 
+Decoding writes in place. Every growing tensor (keys, values, log-degrees, entry records, whole
+heads) is the live prefix `buffer[:, :, :length]` of a preallocated buffer with headroom, so a decode
+step copies one token into the buffer instead of `torch.cat`-ing the whole cache:
+  - a compression writes its result into a new buffer of B + g entries (g = `compress_interval`),
+    exactly what is needed until the next compression;
+  - otherwise (the full cache, heads kept whole) a cache's first buffer has room for the
+    max_new_tokens it was planned for, and buffers grow geometrically (x2) past that.
+Buffers are never shared: a fork starts from the source's live views and allocates its own buffer on
+its first write, and a tensor replaced from outside (a batch reorder, a kvpress hook) simply drops its
+buffer. Writes go only past a buffer's live length, so a view another cache holds never changes.
+`kv_bytes()` counts the live entries; `kv_capacity_bytes()` counts the buffers.
+`CompressedCache(in_place=False)` restores the old `torch.cat` path (benchmarks compare the two).
+
 Two lengths are kept apart: `get_seq_length()` reports the tokens *seen* (transformers derives
 position ids from it, and new tokens must keep their original positions), while the physical length
 (`seq_lengths()`, `get_mask_sizes`) is what is stored.
@@ -68,6 +81,8 @@ class CompressedLayer(DynamicLayer):
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
         self.n_compressions = 0
+        # attribute or "extras.<name>" -> (buffer, the live view of it last stored in that attribute)
+        self._buffers: dict[str, tuple[Tensor, Tensor]] = {}
 
     @property
     def owner(self) -> CompressedCache:
@@ -91,25 +106,85 @@ class CompressedLayer(DynamicLayer):
                 "CompressedCache needs a model prepared by centroidkv (load_model or prepare_model): "
                 "its attention adds log-degrees and triggers compression"
             )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         if self.whole_heads is not None:  # heads kept whole grow in their own tensors
-            self.whole_keys = torch.cat([self.whole_keys, key_states[:, self.whole_heads]], dim=2)
-            self.whole_values = torch.cat([self.whole_values, value_states[:, self.whole_heads]], dim=2)
+            self._append("whole_keys", key_states[:, self.whole_heads])
+            self._append("whole_values", value_states[:, self.whole_heads])
             key_states, value_states = (
                 key_states[:, self.compressed_heads],
                 value_states[:, self.compressed_heads],
             )
-        keys, values = super().update(key_states, value_states, cache_kwargs)
         batch, heads, new_tokens = key_states.shape[:3]
+        if self.keys.numel() == 0:  # the first tokens: keep the projections as they are, no copy
+            self.keys, self.values = key_states, value_states
+        else:
+            self._append("keys", key_states)
+            self._append("values", value_states)
         if self.log_degree is not None:
-            zeros = key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32)
-            self.log_degree = torch.cat([self.log_degree, zeros], dim=-1)
+            self._append("log_degree", key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32))
         for name in self.owner.entry_needs:
             new = RECORDERS[name].initial(self.n_seen, (batch, heads, new_tokens), key_states.device)
-            self.extras[name] = torch.cat([self.extras[name], new], dim=-1) if name in self.extras else new
+            if name in self.extras:
+                self._append(f"extras.{name}", new)
+            else:
+                self.extras[name] = new
         if self.prompt_len is None:
             self.prompt_len = new_tokens
         self.n_seen += new_tokens
-        return keys, values
+        return self.keys, self.values
+
+    # --- in-place buffers (module docstring) -----------------------------------------------------
+    def _get(self, slot: str) -> Tensor | None:
+        if slot.startswith("extras."):
+            return self.extras.get(slot.removeprefix("extras."))
+        return getattr(self, slot)
+
+    def _set(self, slot: str, live: Tensor) -> None:
+        if slot.startswith("extras."):
+            self.extras[slot.removeprefix("extras.")] = live
+        else:
+            setattr(self, slot, live)
+
+    def _append(self, slot: str, new: Tensor) -> None:
+        """Append `new` along dim 2 to the tensor in `slot`: in place when its buffer has room."""
+        live = self._get(slot)
+        if not self.owner.in_place:
+            self._set(slot, torch.cat([live, new], dim=2))
+            return
+        length, needed = live.shape[2], live.shape[2] + new.shape[2]
+        buffer, view = self._buffers.get(slot, (None, None))
+        if view is not live or buffer.shape[2] < needed:  # no buffer, a replaced tensor, or full
+            capacity = self._capacity(slot, needed, first=view is not live)
+            buffer = live.new_empty(*live.shape[:2], capacity, *live.shape[3:])
+            buffer[:, :, :length] = live
+        buffer[:, :, length:needed] = new
+        self._store(slot, buffer, needed)
+
+    def _store(self, slot: str, buffer: Tensor, length: int) -> None:
+        live = buffer[:, :, :length]
+        self._buffers[slot] = (buffer, live)
+        self._set(slot, live)
+
+    def _capacity(self, slot: str, needed: int, first: bool) -> int:
+        """Entries to allocate for `slot` when `needed` no longer fit (headroom rules: module docstring).
+
+        `first`: the slot has no buffer of its own yet (e.g. the first step after a fork)."""
+        method = self.owner.method
+        if method.compresses and self.prompt_len is not None and not slot.startswith("whole_"):
+            # compressed entries: room for the g tokens decoded before the next compression
+            return max(self.budget_len, needed) + method.compress_interval
+        if first and self.owner.max_new_tokens:
+            return needed + self.owner.max_new_tokens  # the generation the cache was planned for
+        return 2 * needed
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the buffers behind this layer's stored tensors (live entries plus headroom)."""
+        total = 0
+        for tensor in self.stored_tensors():
+            backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
+            total += backing.numel() * backing.element_size()
+        return total
 
     def get_seq_length(self) -> int:
         return self.n_seen
@@ -262,14 +337,22 @@ class CompressedLayer(DynamicLayer):
         if kept.length != target:
             raise RuntimeError(f"{method.name} returned {kept.length} tokens instead of {target}")
 
-        def splice(full: Tensor, new_middle: Tensor) -> Tensor:
-            return torch.cat([full[:, :, :n_sink], new_middle, full[:, :, length - n_recent :]], dim=2)
+        # The result goes into buffers with room for the g tokens decoded before the next compression.
+        capacity = budget + method.compress_interval if self.owner.in_place else budget
 
-        self.keys = splice(self.keys, kept.keys)
-        self.values = splice(self.values, kept.values)
+        def splice(slot: str, full: Tensor, new_middle: Tensor) -> None:
+            buffer = full.new_empty(*full.shape[:2], capacity, *full.shape[3:])
+            buffer[:, :, :n_sink] = full[:, :, :n_sink]
+            buffer[:, :, n_sink : budget - n_recent] = new_middle
+            buffer[:, :, budget - n_recent : budget] = full[:, :, length - n_recent :]
+            self._store(slot, buffer, budget)
+
+        splice("keys", self.keys, kept.keys)
+        splice("values", self.values, kept.values)
         if method.merges or self.log_degree is not None:
-            self.log_degree = splice(log_degree, kept.log_degree)
-        self.extras = {name: splice(record, kept.extras[name]) for name, record in self.extras.items()}
+            splice("log_degree", log_degree, kept.log_degree)
+        for name, record in list(self.extras.items()):
+            splice(f"extras.{name}", record, kept.extras[name])
         self.n_compressions += 1
 
     def check_protected_fit(self) -> None:
@@ -330,6 +413,7 @@ class CompressedCache(Cache):
       max_new_tokens: Gamma, the generation length the budget accounts for.
       needs: records to keep besides the method's own (`centroidkv.needs`), so that `fork` can serve
         methods that need them (a shared prefill records the needs of every method of a job).
+      in_place: decode into preallocated buffers (module docstring); False concatenates every step.
     """
 
     def __init__(
@@ -338,6 +422,7 @@ class CompressedCache(Cache):
         budget: float = 0.25,
         max_new_tokens: int = 0,
         needs: Iterable[Need] = (),
+        in_place: bool = True,
     ):
         if isinstance(method, str):
             method = get_method(method)
@@ -353,6 +438,7 @@ class CompressedCache(Cache):
         self.rotary: nn.Module | None = None  # the model's rotary embedding, set by the same hook
         self.model_ref: Callable[[], nn.Module | None] = lambda: None  # weak reference, same hook
         self.compression_enabled = True
+        self.in_place = in_place
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
@@ -406,13 +492,18 @@ class CompressedCache(Cache):
     ) -> CompressedCache:
         """A new cache over the same entries with another method or budget, already compressed.
 
-        This is how one prefill serves many (method, budget) runs: tensors are shared, never copied,
-        because compression and decoding replace tensors instead of writing into them. The source
+        This is how one prefill serves many (method, budget) runs: tensors are shared, not copied.
+        Compression replaces tensors, and decoding writes only past the live length of buffers the
+        writing cache owns (a fork owns none until its first write), so a shared view never changes. The source
         cache must have recorded what the new method needs, and `needs` (records to carry along,
         e.g. for a diagnostic).
         """
         twin = CompressedCache(
-            method, budget, self.max_new_tokens if max_new_tokens is None else max_new_tokens, needs
+            method,
+            budget,
+            self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            needs,
+            in_place=self.in_place,
         )
         twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
         twin.layers = [layer.fork(twin) for layer in self.layers]
@@ -432,6 +523,10 @@ class CompressedCache(Cache):
         """Bytes of everything the cache stores: keys, values, log-degrees, the method's entry records
         (e.g. positions) and the heads kept whole."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.stored_tensors())
+
+    def kv_capacity_bytes(self) -> int:
+        """Bytes allocated for what `kv_bytes()` counts: the live entries plus the buffers' headroom."""
+        return sum(layer.capacity_bytes() for layer in self.layers)
 
     def full_kv_bytes(self) -> int:
         """Bytes the keys and values of every token seen would take in a full cache of the same dtype."""

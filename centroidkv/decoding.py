@@ -70,6 +70,7 @@ class Generation:
     n_decode_steps: int
     kv_bytes_compressed: int  # right after compression (and the fed tokens)
     kv_bytes: int  # at the end of decoding
+    kv_capacity_bytes: int  # at the end of decoding: the buffers behind kv_bytes, headroom included
     kv_ratio: float  # right after compression: bytes stored / bytes of the full cache of those tokens
     seq_lengths: list[int]  # entries per layer at the end
     n_compressions: int
@@ -161,6 +162,7 @@ def generate_from(
         n_decode_steps=len(step_times),
         kv_bytes_compressed=kv_bytes_compressed,
         kv_bytes=cache.kv_bytes(),
+        kv_capacity_bytes=cache.kv_capacity_bytes(),
         kv_ratio=kv_ratio,
         seq_lengths=cache.seq_lengths(),
         n_compressions=cache.n_compressions,

@@ -1,9 +1,13 @@
 """Decode benchmark: full cache vs CentroidKV side by side, and the cost of Chunked Soft Matching.
 
 Part 1 (embedded model, or any `--model`): for each prompt length, one prefill shared by all runs,
-then full cache and CentroidKV at each budget: TTFT, TPOT, KV bytes, the measured TPOT ratio, and the
+then full cache and CentroidKV at each budget, each decoded twice: into preallocated buffers written
+in place (the default) and with the cache concatenated every step (`in_place=False`, the path before
+the buffers). Reported: TTFT, TPOT, KV bytes, the TPOT ratio to the full cache, and the
 memory-traffic limit (weights + R * KV) / (weights + KV) that a decode step bound by memory reads
 would reach. Decoding runs long enough (`--new-tokens`, default 2 g) to include re-compressions.
+A last row per length decodes with plain `model.generate` (transformers' DynamicCache and SDPA);
+"vs generate" is our full-cache TPOT over its TPOT (target <= 1.05).
 
 Part 2: time of one CSM round vs sequence length (8 KV heads, head_dim 128 by default) with the
 log-log slope, next to all-pairs bipartite matching (every A against every B, ToMe-style).
@@ -65,6 +69,38 @@ def noise_prompt(tokenizer, length: int) -> torch.Tensor:
     return torch.tensor([ids[:length]])
 
 
+def generate_tpot(model, ids: torch.Tensor, new_tokens: int) -> float:
+    """TPOT of plain `model.generate` (DynamicCache, SDPA): mean decode step after the first, timed
+    by a logits processor that is called once per step."""
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                past_key_values=DynamicCache(),
+                logits_processor=LogitsProcessorList([Stamp()]),
+                pad_token_id=0,
+            )
+    finally:
+        model.set_attn_implementation(previous)
+    steps = [later - earlier for earlier, later in zip(stamps, stamps[1:])]
+    timed = steps[1:] or steps  # the first decode step is a warm-up, as in generate_from
+    return sum(timed) / len(timed)
+
+
 def decode_table(args: argparse.Namespace) -> None:
     from centroidkv import get_method, load_model
     from centroidkv.decoding import generate_from, prefill
@@ -76,7 +112,10 @@ def decode_table(args: argparse.Namespace) -> None:
         f"\n## Decode: {args.model} on {device}, {torch.get_num_threads()} threads, "
         f"{args.new_tokens} new tokens, weights {weight_bytes / 2**20:.0f} MiB\n"
     )
-    header = "| n | method | budget | TTFT s | compress s | TPOT ms | KV MiB | TPOT ratio | traffic limit |"
+    header = (
+        "| n | method | budget | decode | TTFT s | compress s | TPOT ms | KV MiB | KV capacity MiB "
+        "| TPOT ratio | traffic limit | vs generate |"
+    )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for length in args.lengths:
@@ -84,23 +123,37 @@ def decode_table(args: argparse.Namespace) -> None:
             ids = torch.randint(3, model.config.vocab_size, (1, length))
         else:
             ids = noise_prompt(tokenizer, length)
-        prefilled = prefill(model, ids.to(device), args.new_tokens)
-        runs = [("full", 1.0)] + [("centroidkv", b) for b in args.budgets]
-        full_tpot = full_kv = None
-        for name, budget in runs:
-            result = generate_from(model, prefilled, get_method(name), budget, args.new_tokens)
-            if name == "full":
-                full_tpot, full_kv = result.tpot_s, result.kv_bytes
-                # the full cache's size over the whole run, to compare with R * (n + Gamma)
-                full_kv = full_kv * (length + args.new_tokens) / (length + len(result.tokens[0]) - 1)
-            limit = (weight_bytes + budget * full_kv) / (weight_bytes + full_kv)
-            print(
-                f"| {length} | {name} | {budget:g} | {result.ttft_s:.2f} | {result.compress_s:.3f} | "
-                f"{result.tpot_s * 1e3:.1f} | {result.kv_bytes / 2**20:.1f} | "
-                f"{result.tpot_s / full_tpot:.3f} | {limit:.3f} |",
-                flush=True,
-            )
-        print(f"| {length} | (prefill) | | {prefilled.seconds:.2f} | | | | | |", flush=True)
+        ids = ids.to(device)
+        prefilled = prefill(model, ids, args.new_tokens)
+        full_tpot: dict[bool, float] = {}
+        full_kv = None
+        for name, budget in [("full", 1.0)] + [("centroidkv", b) for b in args.budgets]:
+            for in_place in (False, True):
+                prefilled.cache.in_place = in_place  # forks decode the way their source says
+                result = generate_from(
+                    model, prefilled, get_method(name), budget, args.new_tokens, eos_token_ids=set()
+                )
+                if name == "full":
+                    full_tpot[in_place] = result.tpot_s
+                    # the full cache's size over the whole run, to compare with R * (n + Gamma)
+                    full_kv = (
+                        result.kv_bytes * (length + args.new_tokens) / (length + len(result.tokens[0]) - 1)
+                    )
+                limit = (weight_bytes + budget * full_kv) / (weight_bytes + full_kv)
+                print(
+                    f"| {length} | {name} | {budget:g} | {'in place' if in_place else 'concat'} | "
+                    f"{result.ttft_s:.2f} | {result.compress_s:.3f} | {result.tpot_s * 1e3:.1f} | "
+                    f"{result.kv_bytes / 2**20:.1f} | {result.kv_capacity_bytes / 2**20:.1f} | "
+                    f"{result.tpot_s / full_tpot[in_place]:.3f} | {limit:.3f} | |",
+                    flush=True,
+                )
+        reference = generate_tpot(model, ids, args.new_tokens)
+        print(
+            f"| {length} | model.generate | 1 | DynamicCache | | | {reference * 1e3:.1f} | | | | | "
+            f"{full_tpot[True] / reference:.3f} (concat {full_tpot[False] / reference:.3f}) |",
+            flush=True,
+        )
+        print(f"| {length} | (prefill) | | | {prefilled.seconds:.2f} | | | | | | | |", flush=True)
 
 
 def all_pairs_matching(keys: torch.Tensor, n_merge: int) -> tuple[torch.Tensor, torch.Tensor]:
