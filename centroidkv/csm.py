@@ -30,36 +30,49 @@ Schedule = LinearSchedule | AdaptiveSchedule
 
 
 def best_edges(keys: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Every A slot's best B partner in its chunk: (best similarity, B position), each [B, H, n_A].
+    """Every A slot's best B partner in its chunk: (best cosine similarity, B position), [B, H, A].
 
-    keys: [B, H, T, D]. A slot s sits at position 2 * s; slots without a real B partner (padding of
-    the last chunk) score -inf. Cost O(T * chunk_size * D) per head instead of O(T^2 * D) for all pairs.
+    keys: [B, H, T, D]. A slot s sits at position 2 * s; there are ceil(T / 2) of them.
     """
-    batch, heads, length, head_dim = keys.shape
+    return chunk_edges(unit_rows(keys), chunk_size)
+
+
+def unit_rows(keys: Tensor) -> Tensor:
+    """Keys scaled to unit length, in float32 (dot products of unit keys are cosine similarities)."""
+    return F.normalize(keys.float(), dim=-1).contiguous()  # eps 1e-12: a zero key stays zero
+
+
+def chunk_edges(unit_keys: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """`best_edges` on keys already of unit length ([B, H, T, D] float32).
+
+    The full chunks are one batched matmul on a view of the keys (no padded copy); a shorter last
+    chunk alternates A/B the same way and is matched on its own. An A slot without any B partner
+    (a last chunk of one token) scores -inf, so it is never merged. Cost O(T * chunk_size * D) per
+    head instead of O(T^2 * D) for all pairs.
+    """
+    batch, heads, length, head_dim = unit_keys.shape
     half = chunk_size // 2
-    n_chunks = -(-length // chunk_size)
-    padding = n_chunks * chunk_size - length
-    # Cosine similarity without a normalised copy of the whole cache: only the B half is divided by
-    # its norms; an A slot's norm scales its row uniformly, so it is applied to the row's best score.
-    keys = keys if keys.dtype == torch.float32 else keys.float()
-    norms = torch.linalg.vector_norm(keys, dim=-1).clamp_min_(1e-12)  # F.normalize's eps
-    if padding:
-        keys = F.pad(keys, (0, 0, 0, padding))
-        norms = F.pad(norms, (0, padding), value=1.0)
-    # Because chunk_size is even, "even position inside the chunk" is "even position in the sequence".
-    pairs = keys.view(batch, heads, n_chunks, half, 2, head_dim)
-    norm_pairs = norms.view(batch, heads, n_chunks, half, 2)
-    set_a, set_b = pairs[..., 0, :], pairs[..., 1, :] / norm_pairs[..., 1, None]
-    similarity = set_a @ set_b.transpose(-1, -2)  # [B, H, chunks, half (A), half (B)], times |a|
-    if padding:  # padding B slots are never chosen (an A slot without a real B partner gets -inf)
-        last_a = 2 * torch.arange(half, device=keys.device) + (n_chunks - 1) * chunk_size
-        similarity[:, :, -1].masked_fill_((last_a + 1 >= length)[None, None, None, :], float("-inf"))
-    best_score, best_b = similarity.max(dim=-1)  # [B, H, chunks, half]
-    best_score /= norm_pairs[..., 0]
-    if padding:  # padding A slots are never merged, even when every real edge is negative
-        best_score[:, :, -1].masked_fill_((last_a >= length)[None, None, :], float("-inf"))
-    chunk_start = torch.arange(n_chunks, device=keys.device).view(n_chunks, 1) * chunk_size
-    return best_score.flatten(2), (chunk_start + 2 * best_b + 1).flatten(2)
+    n_full = length // chunk_size
+    scores, partners = [], []
+    if n_full:
+        # chunk_size is even, so "even position inside the chunk" is "even position in the sequence"
+        pairs = unit_keys[:, :, : n_full * chunk_size].view(batch, heads, n_full, half, 2, head_dim)
+        similarity = pairs[..., 0, :] @ pairs[..., 1, :].transpose(-1, -2)  # [B, H, chunks, A, B]
+        best_score, best_b = similarity.max(dim=-1)
+        chunk_start = torch.arange(n_full, device=unit_keys.device).view(n_full, 1) * chunk_size
+        scores.append(best_score.flatten(2))
+        partners.append((chunk_start + 2 * best_b + 1).flatten(2))
+    tail = unit_keys[:, :, n_full * chunk_size :]
+    if tail.shape[2]:
+        set_a, set_b = tail[:, :, 0::2], tail[:, :, 1::2]
+        if set_b.shape[2]:
+            best_score, best_b = (set_a @ set_b.transpose(-1, -2)).max(dim=-1)
+        else:  # a lone A token: nothing to merge into
+            best_score = set_a.new_full(set_a.shape[:3], float("-inf"))
+            best_b = torch.zeros(set_a.shape[:3], dtype=torch.long, device=unit_keys.device)
+        scores.append(best_score)
+        partners.append(n_full * chunk_size + 2 * best_b + 1)
+    return torch.cat(scores, dim=-1), torch.cat(partners, dim=-1)
 
 
 def top_edges(best_score: Tensor, best_dst: Tensor, n_merge: int) -> tuple[Tensor, Tensor]:
@@ -78,49 +91,77 @@ def match_within_chunks(keys: Tensor, n_merge: int, chunk_size: int) -> tuple[Te
     return top_edges(*best_edges(keys, chunk_size), n_merge)
 
 
-def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
-    """Merge the tokens at `src` into those at `dst` ([B, H, M]) by degree-weighted means.
+class Centroids:
+    """Entries being merged over several rounds, written in place instead of compacted every round.
 
-    x_b <- (n_b x_b + sum n_a x_a) / (n_b + sum n_a) for keys and values; n_b <- n_b + sum n_a.
-    Written as x_b + sum_a w_a (x_a - x_b) with w_a = n_a / (n_b + sum n_a), so only the M merged
-    rows are computed (in float32) and the rest is a single row copy. Degrees stay in float32, so
-    half-precision caches handle degrees of 1e5 and more. The surviving tokens keep their order.
+    Keys, values (in their dtype), degrees and entry records (float32) are copied once into rows,
+    (batch, head, token) flattened; `rows` [B, H, T] names the row holding each current entry (a
+    centroid lives in the row of the B token it grew from). A merge updates only its destination
+    rows and shortens `rows`; `current()` gathers the entries when they are needed. Each row's
+    arithmetic is that of compacting the tensors every round, at a fraction of the memory traffic.
     """
-    batch, heads, length = kv.log_degree.shape
-    n_merge = src.shape[-1]
-    # Flatten (batch, head, token) into rows so gathers and scatters move whole rows.
-    offsets = (torch.arange(batch * heads, device=src.device) * length).view(batch, heads, 1)
-    src_row, dst_row = (src + offsets).flatten(), (dst + offsets).flatten()
-    degree = kv.log_degree.float().exp().flatten()
-    new_degree = degree.index_add(0, dst_row, degree[src_row])
-    weight = (degree[src_row] / new_degree[dst_row]).unsqueeze(1)
 
-    is_src = torch.zeros(batch * heads * length, dtype=torch.bool, device=src.device)
-    is_src[src_row] = True
-    keep_row = (~is_src).nonzero().squeeze(1)  # survivors, in order; every head keeps length - M
-    dst_kept = (~is_src).cumsum(0)[dst_row] - 1  # where each destination lands among the survivors
+    def __init__(self, kv: LayerKV):
+        batch, heads, length = kv.log_degree.shape
+        self.shape = (batch, heads)
+        self.keys, self.values = _row_copy(kv.keys), _row_copy(kv.values)
+        self.degree = kv.log_degree.float().exp().flatten()
+        self.extras = {name: _row_copy(record.float()).squeeze(1) for name, record in kv.extras.items()}
+        self.rows = torch.arange(batch * heads * length, device=kv.keys.device).view(batch, heads, length)
 
-    def merged(x: Tensor) -> Tensor:
-        rows = x.reshape(batch * heads * length, -1)
+    @property
+    def length(self) -> int:
+        return self.rows.shape[2]
+
+    def merge(self, src: Tensor, dst: Tensor) -> tuple[Tensor, Tensor]:
+        """Merge the entries at positions `src` into those at `dst` ([B, H, M]) by degree-weighted means.
+
+        x_b <- (n_b x_b + sum n_a x_a) / (n_b + sum n_a) for keys, values and "mean" records ("sum"
+        records add up); n_b <- n_b + sum n_a. Written as x_b + sum_a w_a (x_a - x_b), with
+        w_a = n_a / (n_b + sum n_a), in float32. Returns the positions kept ([B, H, T - M], in
+        order) and where each destination now is ([B, H, M]).
+        """
+        src_row, dst_row = self.rows.gather(2, src).flatten(), self.rows.gather(2, dst).flatten()
+        new_degree = self.degree.index_add(0, dst_row, self.degree[src_row])
+        weight = (self.degree[src_row] / new_degree[dst_row]).unsqueeze(1)
+
+        def average_into(rows: Tensor) -> None:
+            delta = rows.index_select(0, src_row).float()
+            delta.sub_(rows.index_select(0, dst_row).float()).mul_(weight)
+            rows.index_add_(0, dst_row, delta.to(rows.dtype))
+
+        average_into(self.keys)
+        average_into(self.values)
+        for name, record in self.extras.items():
+            if merge_rule(name) == "mean":
+                average_into(record.unsqueeze(1))
+            else:  # e.g. a centroid has received the attention of all its members
+                record.index_add_(0, dst_row, record[src_row])
+        self.degree = new_degree
+        is_src = torch.zeros(self.rows.shape, dtype=torch.bool, device=src.device).scatter_(2, src, True)
+        survivors = (~is_src).nonzero()[:, 2].view(*self.shape, -1)  # every head keeps T - M
+        self.rows = self.rows.gather(2, survivors)
+        return survivors, (~is_src).cumsum(2).gather(2, dst) - 1
+
+    def current(self, positions: Tensor | None = None) -> LayerKV:
+        """The current entries (all, or those at `positions` [B, H, K]) as a LayerKV."""
+        rows = self.rows if positions is None else self.rows.gather(2, positions)
+        flat, shape = rows.flatten(), rows.shape
         # index_select, not rows[index]: the advanced-indexing kernel is several times slower on a CPU
-        delta = (rows.index_select(0, src_row).float() - rows.index_select(0, dst_row).float()) * weight
-        out = rows.index_select(0, keep_row).index_add_(0, dst_kept, delta.to(x.dtype))
-        return out.view(batch, heads, length - n_merge, -1)
+        return LayerKV(
+            keys=self.keys.index_select(0, flat).view(*shape, -1),
+            values=self.values.index_select(0, flat).view(*shape, -1),
+            log_degree=self.degree[flat].log().view(shape),
+            extras={name: record[flat].view(shape) for name, record in self.extras.items()},
+        )
 
-    def summed(x: Tensor) -> Tensor:  # e.g. a centroid has received the attention of all its members
-        flat = x.flatten()
-        return flat.index_add(0, dst_row, flat[src_row])[keep_row].view(batch, heads, -1)
 
-    extras = {  # entry records follow the merge by their declared rule (centroidkv.needs)
-        name: merged(record.unsqueeze(-1)).squeeze(-1) if merge_rule(name) == "mean" else summed(record)
-        for name, record in kv.extras.items()
-    }
-    return LayerKV(
-        keys=merged(kv.keys),
-        values=merged(kv.values),
-        log_degree=new_degree.log()[keep_row].view(batch, heads, -1),
-        extras=extras,
-    )
+def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
+    """One merge of the tokens at `src` into those at `dst` ([B, H, M]); the survivors keep their
+    order. Degrees stay in float32, so half-precision caches handle degrees of 1e5 and more."""
+    centroids = Centroids(kv)
+    centroids.merge(src, dst)
+    return centroids.current()
 
 
 def csm_round(kv: LayerKV, n_merge: int, chunk_size: int) -> LayerKV:
@@ -140,14 +181,37 @@ def csm_compress(
     """Run rounds until `target_len` tokens remain; the schedule sets each round's merge count.
 
     `match_keys(kv)` gives the keys similarity is computed on (default: the cached keys); merging
-    always averages the cached keys and values.
+    always averages the cached keys and values. The unit-length matching keys are computed once and
+    then follow the merges: the survivors keep theirs and only each round's centroids are
+    recomputed, which equals recomputing them all, at a fraction of the cost.
     """
+    match_keys = match_keys or (lambda entries: entries.keys)
+    centroids = Centroids(kv)
+    unit_keys = unit_rows(match_keys(kv))
     for round_idx in range(max_rounds):
-        excess = kv.length - target_len
+        excess = centroids.length - target_len
         if excess <= 0:
-            return kv
-        best_score, best_dst = best_edges(kv.keys if match_keys is None else match_keys(kv), chunk_size)
-        n_pairs = kv.length // 2  # A tokens that have a B partner (at least)
+            return centroids.current()
+        best_score, best_dst = chunk_edges(unit_keys, chunk_size)
+        n_pairs = centroids.length // 2  # A tokens that have a B partner (at least)
         n_merge = schedule.merge_count(round_idx, best_score, n_pairs, excess)
-        kv = merge_tokens(kv, *top_edges(best_score, best_dst, n_merge))
+        src, dst = top_edges(best_score, best_dst, n_merge)
+        survivors, new_dst = centroids.merge(src, dst)
+        unit_keys = take(unit_keys, survivors)  # the centroids' rows are then recomputed:
+        index = new_dst.unsqueeze(-1).expand(-1, -1, -1, unit_keys.shape[-1])
+        unit_keys.scatter_(2, index, unit_rows(match_keys(centroids.current(new_dst))))
     raise RuntimeError(f"CSM did not reach {target_len} tokens in {max_rounds} rounds")
+
+
+def take(x: Tensor, positions: Tensor) -> Tensor:
+    """x [B, H, T, D] at `positions` [B, H, K] -> [B, H, K, D] (a gather of whole rows)."""
+    batch, heads, length, dim = x.shape
+    offsets = (torch.arange(batch * heads, device=x.device) * length).view(batch, heads, 1)
+    return x.reshape(-1, dim).index_select(0, (positions + offsets).flatten()).view(batch, heads, -1, dim)
+
+
+def _row_copy(x: Tensor) -> Tensor:
+    """A contiguous copy of x [B, H, T, (D)] as rows [B * H * T, D or 1], in one pass."""
+    rows = x.new_empty(x.shape[:3].numel(), x.shape[3] if x.dim() == 4 else 1)
+    rows.view(x.shape).copy_(x)
+    return rows

@@ -51,10 +51,17 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
     dimension i pairs with i + D/2. The module's attention scaling of cos/sin only rescales keys, which
     cosine similarity ignores. Inverse of (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     """
-    angle = positions.float().unsqueeze(-1) * rotary.inv_freq.float()  # [B, H, T, D/2]
+    positions = positions.float()
+    if positions.shape[1] > 1 and torch.equal(positions, positions[:, :1].expand_as(positions)):
+        positions = positions[:, :1]  # no merge yet: every head has the same positions, one cos/sin
+    angle = positions.unsqueeze(-1) * rotary.inv_freq.float()  # [B, H or 1, T, D/2]
     cos, sin = angle.cos(), angle.sin()
     rotated_1, rotated_2 = keys.float().chunk(2, dim=-1)
-    return torch.cat([rotated_1 * cos + rotated_2 * sin, rotated_2 * cos - rotated_1 * sin], dim=-1)
+    unrotated = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
+    first, second = unrotated.chunk(2, dim=-1)
+    torch.addcmul(rotated_1 * cos, rotated_2, sin, out=first)
+    torch.addcmul(rotated_2 * cos, rotated_1, sin, value=-1, out=second)
+    return unrotated
 
 
 @register

@@ -93,13 +93,13 @@ def test_compress_runs_rounds_each_at_most_half_and_conserves_degree(monkeypatch
     import centroidkv.csm as csm
 
     rounds = []
-    real_merge = csm.merge_tokens
+    real_merge = csm.Centroids.merge
 
-    def recording_merge(kv, src, dst):
-        rounds.append((kv.length, src.shape[-1]))
-        return real_merge(kv, src, dst)
+    def recording_merge(centroids, src, dst):
+        rounds.append((centroids.length, src.shape[-1]))
+        return real_merge(centroids, src, dst)
 
-    monkeypatch.setattr(csm, "merge_tokens", recording_merge)
+    monkeypatch.setattr(csm.Centroids, "merge", recording_merge)
     schedule = LinearSchedule(r_init=0.9, delta_r=0.3, r_min=0.2)
     out = csm.csm_compress(random_kv(length=200), target_len=30, chunk_size=16, schedule=schedule)
     assert out.length == 30
