@@ -175,7 +175,9 @@ class CompressedLayer(DynamicLayer):
             # compressed entries: room for the g tokens decoded before the next compression
             return max(self.budget_len, needed) + method.compress_interval
         if first and self.owner.max_new_tokens:
-            return needed + self.owner.max_new_tokens  # the generation the cache was planned for
+            # the generation the cache was planned for: of max_new_tokens generated tokens all but
+            # the last are fed back, so max_new_tokens - 1 more after this write
+            return needed + self.owner.max_new_tokens - 1
         return 2 * needed
 
     def capacity_bytes(self) -> int:

@@ -4,8 +4,8 @@ The mechanism behind the paper's "up to 4x throughput" (measured there inside vL
 Face level: a smaller cache per sequence lets more sequences decode together in the same memory.
 
 1. Per method, one sequence (batch 1) is prefilled and decoded to measure its peak KV bytes: the
-   largest `kv_bytes()` between decode steps (a compressed cache grows to B + g - 1 entries per layer
-   before it re-compresses) or during the prefill, where each layer holds its whole prompt until its
+   largest `kv_capacity_bytes()` between decode steps (the buffers a cache holds: B + g entries per
+   layer for a compressed cache, the prompt + the planned new tokens for the full cache) or during the prefill, where each layer holds its whole prompt until its
    own attention has run and compressed it (all earlier layers already compressed).
 2. The cap (`--cap-mib`, by default what the full cache needs for `--full-batch` sequences) divided by
    that peak is the largest batch of equal-length prompts the method fits.
@@ -110,9 +110,25 @@ class Decoded:
     prefill_s: float  # prefill forward, compression included
 
 
+def method_for(name: str, model_name: str):
+    """The method `name` with its defaults, except on a random-weight model (random-*, tiny-*):
+    there CentroidKV keeps no outlier heads whole, since calibrating random weights would only
+    measure noise (and, on an 8B-shaped model, take minutes before anything is timed)."""
+    from centroidkv import get_method
+    from centroidkv.models import PAPER_CONFIGS, TINY_MODELS, parse_model_name
+
+    random_weights = parse_model_name(model_name)[0] in (*PAPER_CONFIGS, *TINY_MODELS)
+    if name == "centroidkv" and random_weights:
+        return get_method(name, outlier_heads="none")
+    return get_method(name)
+
+
 @torch.inference_mode()
-def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens: int) -> Decoded:
-    """Prefill `ids` with a (method, budget) cache (compressing layer by layer) and decode greedily."""
+def decode_run(model, ids: torch.Tensor, method, budget: float, new_tokens: int) -> Decoded:
+    """Prefill `ids` with a (method, budget) cache (compressing layer by layer) and decode greedily.
+
+    `method`: a Method or a registered name. Peak memory counts the buffers (`kv_capacity_bytes`):
+    what the cache holds allocated, headroom for the next decoded tokens included."""
     from centroidkv import CompressedCache
     from centroidkv.decoding import Timer
 
@@ -120,11 +136,11 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
     timer = Timer(ids.device)
     with timer.span() as prefill:
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
-    compressed = [sum(t.numel() * t.element_size() for t in layer.stored_tensors()) for layer in cache.layers]
+    compressed = [layer.capacity_bytes() for layer in cache.layers]
     whole_layer = cache.full_kv_bytes() // len(cache.layers)  # one layer's keys and values of the prompt
     # While layer l runs, layers < l are compressed and l holds its whole prompt.
     prefill_peak = max(sum(compressed[:i]) + whole_layer for i in range(len(compressed)))
-    peak = max(cache.kv_bytes(), prefill_peak)
+    peak = max(cache.kv_capacity_bytes(), prefill_peak)
     token = logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for _ in range(new_tokens - 1):
@@ -133,7 +149,7 @@ def decode_run(model, ids: torch.Tensor, method: str, budget: float, new_tokens:
                 model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             )
         times.append(step.seconds)
-        peak = max(peak, cache.kv_bytes())
+        peak = max(peak, cache.kv_capacity_bytes())
     timed = times[1:]
     tpot = sum(timed) / len(timed)
     return Decoded(peak, ids.shape[0] / tpot, tpot, prefill.seconds)
@@ -148,14 +164,15 @@ def throughput_table(args: argparse.Namespace, model=None, tokenizer=None) -> li
     runs = [Run(name, budget) for name, budget in args.runs]
     one = prompts(model, tokenizer, 1, args.length)
     for run in tqdm(runs, desc="peak KV per sequence", unit="method"):
-        run.peak_bytes_per_seq = decode_run(model, one, run.method, run.budget, args.new_tokens).peak_bytes
+        method = method_for(run.method, args.model)
+        run.peak_bytes_per_seq = decode_run(model, one, method, run.budget, args.new_tokens).peak_bytes
     cap = args.cap_mib * 2**20 if args.cap_mib else args.full_batch * runs[0].peak_bytes_per_seq
     for run in tqdm(runs, desc="decode at the largest batch", unit="method"):
         run.batch = min(args.max_batch, int(cap // run.peak_bytes_per_seq))
         if run.batch == 0:
             continue
         ids = prompts(model, tokenizer, run.batch, args.length)
-        decoded = decode_run(model, ids, run.method, run.budget, args.new_tokens)
+        decoded = decode_run(model, ids, method_for(run.method, args.model), run.budget, args.new_tokens)
         run.peak_bytes, run.tokens_per_s, run.tpot_s = (
             decoded.peak_bytes,
             decoded.tokens_per_s,

@@ -108,7 +108,7 @@ def environment(report: Report, args) -> dict:
 
 
 def tpot_and_memory(report: Report, args, model) -> dict:
-    from bench_throughput import decode_run
+    from bench_throughput import decode_run, method_for
 
     cuda = args.device == "cuda"
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
@@ -117,7 +117,9 @@ def tpot_and_memory(report: Report, args, model) -> dict:
     report.add("| n | method | TTFT s | TPOT s | paper TPOT s | peak GPU GB | KV GB (peak) |")
     report.add("|---:|---|---:|---:|---:|---:|---:|")
     warm_up = torch.randint(3, model.config.vocab_size, (1, 512), device=args.device)
-    decode_run(model, warm_up, "centroidkv", 0.25, 4)  # kernels chosen/compiled before anything is timed
+    decode_run(
+        model, warm_up, method_for("centroidkv", args.model), 0.25, 4
+    )  # kernels chosen/compiled before anything is timed
     rows = []
     for length in args.lengths:
         ids = torch.randint(3, model.config.vocab_size, (1, length), device=args.device)
@@ -125,7 +127,7 @@ def tpot_and_memory(report: Report, args, model) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            decoded = decode_run(model, ids, method, budget, args.new_tokens)
+            decoded = decode_run(model, ids, method_for(method, args.model), budget, args.new_tokens)
             peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
             paper = PAPER_TPOT_S.get(length, (float("nan"),) * 2)[index]
             rows.append(dict(n=length, method=method, ttft_s=decoded.prefill_s, tpot_s=decoded.tpot_s,
@@ -213,7 +215,7 @@ def throughput(report: Report, args, model) -> dict:
 
 
 def fused_paths(report: Report, args, model) -> dict:
-    from bench_throughput import decode_run
+    from bench_throughput import decode_run, method_for
 
     from centroidkv.attention import _biased_attention
     from centroidkv.decoding import Timer
@@ -262,7 +264,8 @@ def fused_paths(report: Report, args, model) -> dict:
     tpots = {}
     for backend in ("auto", "sdpa"):
         with attention_backend(backend):
-            tpots[backend] = decode_run(model, ids, "centroidkv", 0.25, args.new_tokens).tpot_s
+            centroidkv = method_for("centroidkv", args.model)
+            tpots[backend] = decode_run(model, ids, centroidkv, 0.25, args.new_tokens).tpot_s
     report.add(
         f"\nCentroidKV 0.25 at {length}: TPOT {tpots['auto']:.4f} s with the fused path (auto), "
         f"{tpots['sdpa']:.4f} s with SDPA + bias: {tpots['sdpa'] / tpots['auto']:.2f}x\n"

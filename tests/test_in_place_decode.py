@@ -90,7 +90,8 @@ def test_in_place_decode_gives_the_tokens_and_bytes_of_concatenation(tiny_model,
 @pytest.mark.parametrize("name", ["full", "centroidkv"])
 def test_decode_steps_write_into_one_buffer_between_compressions(tiny_model, tmp_path, name):
     method = build(name, tiny_model, tmp_path)
-    recorder = CompressedCache("full", 1.0, STEPS, needs=method.needs())
+    # decode() feeds all STEPS tokens it generates: a generation of STEPS + 1 tokens
+    recorder = CompressedCache("full", 1.0, STEPS + 1, needs=method.needs())
     with torch.inference_mode():
         tiny_model(prompt(), past_key_values=recorder)
         cache = recorder.fork(method, BUDGET)
