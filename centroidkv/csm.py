@@ -143,17 +143,20 @@ class Centroids:
         self.rows = self.rows.gather(2, survivors)
         return survivors, (~is_src).cumsum(2).gather(2, dst) - 1
 
-    def current(self, positions: Tensor | None = None) -> LayerKV:
-        """The current entries (all, or those at `positions` [B, H, K]) as a LayerKV."""
+    def current(self) -> LayerKV:
+        """The current entries as a LayerKV."""
+        keys, records = self.keys_and_records()
+        flat, shape = self.rows.flatten(), self.rows.shape
+        values = self.values.index_select(0, flat).view(*shape, -1)
+        return LayerKV(keys, values, self.degree[flat].log().view(shape), records)
+
+    def keys_and_records(self, positions: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Keys [B, H, K, D] and entry records [B, H, K] of the entries at `positions` (default: all)."""
         rows = self.rows if positions is None else self.rows.gather(2, positions)
         flat, shape = rows.flatten(), rows.shape
         # index_select, not rows[index]: the advanced-indexing kernel is several times slower on a CPU
-        return LayerKV(
-            keys=self.keys.index_select(0, flat).view(*shape, -1),
-            values=self.values.index_select(0, flat).view(*shape, -1),
-            log_degree=self.degree[flat].log().view(shape),
-            extras={name: record[flat].view(shape) for name, record in self.extras.items()},
-        )
+        keys = self.keys.index_select(0, flat).view(*shape, -1)
+        return keys, {name: record[flat].view(shape) for name, record in self.extras.items()}
 
 
 def merge_tokens(kv: LayerKV, src: Tensor, dst: Tensor) -> LayerKV:
@@ -176,18 +179,19 @@ def csm_compress(
     chunk_size: int,
     schedule: Schedule,
     max_rounds: int = 256,
-    match_keys: Callable[[LayerKV], Tensor] | None = None,
+    match_keys: Callable[[Tensor, dict[str, Tensor]], Tensor] | None = None,
 ) -> LayerKV:
     """Run rounds until `target_len` tokens remain; the schedule sets each round's merge count.
 
-    `match_keys(kv)` gives the keys similarity is computed on (default: the cached keys); merging
+    `match_keys(keys, records)` gives the keys similarity is computed on, from entries' cached keys
+    [B, H, K, D] and entry records [B, H, K] (default: the cached keys themselves); merging
     always averages the cached keys and values. The unit-length matching keys are computed once and
     then follow the merges: the survivors keep theirs and only each round's centroids are
     recomputed, which equals recomputing them all, at a fraction of the cost.
     """
-    match_keys = match_keys or (lambda entries: entries.keys)
+    match_keys = match_keys or (lambda keys, records: keys)
     centroids = Centroids(kv)
-    unit_keys = unit_rows(match_keys(kv))
+    unit_keys = unit_rows(match_keys(kv.keys, kv.extras))
     for round_idx in range(max_rounds):
         excess = centroids.length - target_len
         if excess <= 0:
@@ -199,7 +203,7 @@ def csm_compress(
         survivors, new_dst = centroids.merge(src, dst)
         unit_keys = take(unit_keys, survivors)  # the centroids' rows are then recomputed:
         index = new_dst.unsqueeze(-1).expand(-1, -1, -1, unit_keys.shape[-1])
-        unit_keys.scatter_(2, index, unit_rows(match_keys(centroids.current(new_dst))))
+        unit_keys.scatter_(2, index, unit_rows(match_keys(*centroids.keys_and_records(new_dst))))
     raise RuntimeError(f"CSM did not reach {target_len} tokens in {max_rounds} rounds")
 
 

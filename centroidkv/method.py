@@ -150,7 +150,7 @@ class CentroidKV(Method):
                     "positions (a cache on a model prepared by centroidkv)"
                 )
 
-            def match_keys(segment: LayerKV) -> Tensor:
-                return undo_rope(segment.keys, segment.extras["position"], stats.rotary)
+            def match_keys(keys: Tensor, records: dict[str, Tensor]) -> Tensor:
+                return undo_rope(keys, records["position"], stats.rotary)
 
         return csm_compress(kv, target_len, self.chunk_size, self.merge_schedule, match_keys=match_keys)

@@ -63,7 +63,8 @@ def correlated_keys(heads: int, length: int, head_dim: int, seed: int = 0) -> to
     smooth = (
         F.avg_pool1d(noise, 17, stride=1, padding=8).view(1, heads, head_dim, length).transpose(-1, -2) * 4
     )
-    return mean + smooth + 0.3 * torch.randn(1, heads, length, head_dim, generator=generator)
+    keys = mean + smooth + 0.3 * torch.randn(1, heads, length, head_dim, generator=generator)
+    return keys.contiguous()  # laid out like a cache's keys (the sum above follows `smooth`'s strides)
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
