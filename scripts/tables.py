@@ -118,7 +118,9 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
     per method: the average, its 95 % interval, and P(> next), the fraction of draws in which it
     scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
     step of the ranking would survive new samples; near 0.5 means the two are not told apart.
-    Only samples every method at that budget finished are used.
+    Only samples every method at that budget finished are used. A task with a single sample has
+    nothing to resample: the draws would all be equal and claim a certainty the data do not have,
+    so with fewer than 2 samples in some task the interval and P(> next) are "n/a".
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -131,6 +133,7 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
         if scores.empty:
             continue
         tasks = scores.index.get_level_values("task")
+        estimable = tasks.value_counts().min() >= 2
         per_draw = np.zeros((draws, scores.shape[1]))
         for task in tasks.unique():  # one task's matrix [samples, methods], resampled by row
             matrix = scores[tasks == task].to_numpy()
@@ -152,8 +155,8 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
                     "Rank": rank + 1,
                     "Method": scores.columns[column],
                     "Avg": means[column],
-                    "95% CI": f"{low:.1f}-{high:.1f}",
-                    "P(> next)": "-" if beats is None else f"{beats:.2f}",
+                    "95% CI": f"{low:.1f}-{high:.1f}" if estimable else "n/a",
+                    "P(> next)": "-" if beats is None else f"{beats:.2f}" if estimable else "n/a",
                     "samples": len(scores),
                 }
             )

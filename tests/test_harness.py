@@ -403,6 +403,27 @@ def test_ranking_table_from_fixture(tmp_path):
     assert rows[2][5] == "-"
 
 
+def test_ranking_with_one_sample_per_task_claims_no_interval():
+    """One sample per task leaves nothing to resample: no zero-width interval, no P = 1.00."""
+    import pandas as pd
+
+    from scripts.tables import ranking_table
+
+    df = pd.DataFrame(
+        [
+            {"task": task, "sample_id": f"{task}-0", "label": label, "method": method, "budget": 0.5,
+             "ok": True, "score": score}
+            for task in ("a", "b")
+            for label, method, score in (("Full cache", "full", 100.0), ("X", "x", 50.0), ("Y", "y", 0.0))
+        ]
+    )  # fmt: skip
+    table = ranking_table(df, [0.5])
+    assert list(table["Method"]) == ["Full cache", "X", "Y"]
+    assert list(table["Avg"]) == [100.0, 50.0, 0.0]
+    assert set(table["95% CI"]) == {"n/a"}
+    assert list(table["P(> next)"]) == ["n/a", "n/a", "-"]
+
+
 def test_speed_table_from_fixture(tmp_path):
     from scripts.tables import main
 
