@@ -119,8 +119,9 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
     scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
     step of the ranking would survive new samples; near 0.5 means the two are not told apart.
     Only samples every method at that budget finished are used. A task with a single sample has
-    nothing to resample: the draws would all be equal and claim a certainty the data do not have,
-    so with fewer than 2 samples in some task the interval and P(> next) are "n/a".
+    nothing to resample within it (every draw would be equal, claiming a certainty the data do not
+    have), so when some task has fewer than 2 samples the draws resample the samples across tasks
+    instead, and the "bootstrap" column says so.
     """
     rng = np.random.default_rng(seed)
     rows = []
@@ -133,13 +134,17 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
         if scores.empty:
             continue
         tasks = scores.index.get_level_values("task")
-        estimable = tasks.value_counts().min() >= 2
+        within_tasks = tasks.value_counts().min() >= 2
+        groups = (
+            [scores[tasks == task].to_numpy() for task in tasks.unique()]
+            if within_tasks
+            else [scores.to_numpy()]
+        )
         per_draw = np.zeros((draws, scores.shape[1]))
-        for task in tasks.unique():  # one task's matrix [samples, methods], resampled by row
-            matrix = scores[tasks == task].to_numpy()
+        for matrix in groups:  # [samples, methods], resampled by row
             picks = rng.integers(0, len(matrix), size=(draws, len(matrix)))
             per_draw += matrix[picks].mean(axis=1)
-        per_draw /= tasks.nunique()
+        per_draw /= len(groups)
         means = scores.groupby(level="task").mean().mean(axis=0).to_numpy()
         order = np.argsort(-means, kind="stable")
         for rank, column in enumerate(order):
@@ -155,9 +160,10 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
                     "Rank": rank + 1,
                     "Method": scores.columns[column],
                     "Avg": means[column],
-                    "95% CI": f"{low:.1f}-{high:.1f}" if estimable else "n/a",
-                    "P(> next)": "-" if beats is None else f"{beats:.2f}" if estimable else "n/a",
+                    "95% CI": f"{low:.1f}-{high:.1f}",
+                    "P(> next)": "-" if beats is None else f"{beats:.2f}",
                     "samples": len(scores),
+                    "bootstrap": "within tasks" if within_tasks else "across tasks",
                 }
             )
     table = pd.DataFrame(rows)

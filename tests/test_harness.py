@@ -403,25 +403,28 @@ def test_ranking_table_from_fixture(tmp_path):
     assert rows[2][5] == "-"
 
 
-def test_ranking_with_one_sample_per_task_claims_no_interval():
-    """One sample per task leaves nothing to resample: no zero-width interval, no P = 1.00."""
+def test_ranking_with_one_sample_per_task_resamples_across_tasks():
+    """One sample per task leaves nothing to resample within a task: the draws resample across
+    tasks, so intervals have width and a method that loses one task is not certainly ahead."""
     import pandas as pd
 
     from scripts.tables import ranking_table
 
+    scores = {"a": (100.0, 100.0, 0.0), "b": (100.0, 0.0, 100.0), "c": (100.0, 100.0, 0.0)}
     df = pd.DataFrame(
         [
             {"task": task, "sample_id": f"{task}-0", "label": label, "method": method, "budget": 0.5,
              "ok": True, "score": score}
-            for task in ("a", "b")
-            for label, method, score in (("Full cache", "full", 100.0), ("X", "x", 50.0), ("Y", "y", 0.0))
+            for task, row in scores.items()
+            for (label, method), score in zip((("Full cache", "full"), ("X", "x"), ("Y", "y")), row)
         ]
     )  # fmt: skip
     table = ranking_table(df, [0.5])
     assert list(table["Method"]) == ["Full cache", "X", "Y"]
-    assert list(table["Avg"]) == [100.0, 50.0, 0.0]
-    assert set(table["95% CI"]) == {"n/a"}
-    assert list(table["P(> next)"]) == ["n/a", "n/a", "-"]
+    assert set(table["bootstrap"]) == {"across tasks"}
+    low, high = (float(v) for v in table["95% CI"].iloc[1].split("-"))
+    assert low == 0.0 and high == 100.0  # X's three draws can be all 0 or all 100
+    assert 0.5 < float(table["P(> next)"].iloc[1]) < 0.95  # X > Y on 2 of 3 tasks: not certain
 
 
 def test_speed_table_from_fixture(tmp_path):
