@@ -340,7 +340,7 @@ class CompressedLayer(DynamicLayer):
             raise RuntimeError(f"{method.name} returned {kept.length} tokens instead of {target}")
 
         # The result goes into buffers with room for the g tokens decoded before the next compression.
-        capacity = budget + method.compress_interval if self.owner.in_place else budget
+        capacity = self._capacity("keys", budget, first=True) if self.owner.in_place else budget
 
         def splice(slot: str, full: Tensor, new_middle: Tensor) -> None:
             buffer = full.new_empty(*full.shape[:2], capacity, *full.shape[3:])

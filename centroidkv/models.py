@@ -112,6 +112,7 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
     ),
 }
 MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
+RANDOM_MODELS = (*PAPER_CONFIGS, *TINY_MODELS)  # seeded random weights, no tokenizer
 
 
 def cache_dir() -> Path:

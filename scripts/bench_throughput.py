@@ -115,10 +115,9 @@ def method_for(name: str, model_name: str):
     there CentroidKV keeps no outlier heads whole, since calibrating random weights would only
     measure noise (and, on an 8B-shaped model, take minutes before anything is timed)."""
     from centroidkv import get_method
-    from centroidkv.models import PAPER_CONFIGS, TINY_MODELS, parse_model_name
+    from centroidkv.models import RANDOM_MODELS, parse_model_name
 
-    random_weights = parse_model_name(model_name)[0] in (*PAPER_CONFIGS, *TINY_MODELS)
-    if name == "centroidkv" and random_weights:
+    if name == "centroidkv" and parse_model_name(model_name)[0] in RANDOM_MODELS:
         return get_method(name, outlier_heads="none")
     return get_method(name)
 

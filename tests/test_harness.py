@@ -30,6 +30,14 @@ def run_cfg(tmp_path: Path, overrides: list[str], job: str = "job"):
     return build_run_config(cfg, job), cfg
 
 
+def config_error_line(tmp_path: Path, overrides: list[str]) -> str:
+    """The line a bad config is refused with, asserting that there is exactly one."""
+    with pytest.raises(ConfigError) as error:
+        run_cfg(tmp_path, overrides)
+    assert len(error.value.lines) == 1, error.value.lines
+    return error.value.lines[0]
+
+
 # ------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize(
     "override, fragment",
@@ -49,10 +57,7 @@ def run_cfg(tmp_path: Path, overrides: list[str], job: str = "job"):
     ],
 )
 def test_each_bad_value_gives_one_line(tmp_path, override, fragment):
-    with pytest.raises(ConfigError) as error:
-        run_cfg(tmp_path, [override])
-    assert len(error.value.lines) == 1, error.value.lines
-    assert fragment in error.value.lines[0]
+    assert fragment in config_error_line(tmp_path, [override])
 
 
 def test_ruler_task_names_are_checked(tmp_path):
@@ -165,9 +170,7 @@ def test_method_variants_set_each_entry_s_parameters(tmp_path):
     ],
 )
 def test_bad_method_variant_gives_one_line(tmp_path, methods, fragment):
-    with pytest.raises(ConfigError) as error:
-        run_cfg(tmp_path, [methods])
-    assert len(error.value.lines) == 1 and fragment in error.value.lines[0], error.value.lines
+    assert fragment in config_error_line(tmp_path, [methods])
 
 
 def test_method_variants_share_the_prefill_and_resume_by_variant(tmp_path):
