@@ -12,6 +12,8 @@ Safety rules:
   the line being written (a failed write is cut back to the last complete line); on load, torn or
   corrupt lines are dropped and counted, records are de-duplicated by key (the last one wins), and
   the file is rewritten atomically when anything was cleaned;
+- nothing is written through a symbolic link: a job folder, its experiment folder or a file in it that
+  is a link is refused before any work, and files are opened with O_NOFOLLOW;
 - `done.json` is written last, and only when some record succeeded: a job that has it is finished
   and is skipped on rerun. Every OSError while writing becomes one `ResultsWriteError` line.
 """
@@ -44,6 +46,8 @@ LOCK = ".lock"
 
 # A record is identified by these fields: one line per sample x method variant (params) x budget.
 KEY_FIELDS = ("benchmark", "task", "length", "sample_id", "method", "variant", "params", "budget")
+# A JSON line without these is not a record (it is dropped and counted, as a torn line is).
+REQUIRED_FIELDS = ("benchmark", "sample_id", "method", "budget", "status")
 
 
 class JobError(RuntimeError):
@@ -102,6 +106,8 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def _reason(error: OSError) -> str:
+    if error.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+        return "it is a symbolic link, which the runner never writes through"
     return error.strerror or str(error)
 
 
@@ -132,6 +138,8 @@ def scan_records(path: Path) -> RecordsFile:
                 if not line.endswith("\n"):  # torn write: the job was killed mid-line
                     raise ValueError("torn line")
                 record = json.loads(line)
+                if not isinstance(record, dict) or not all(k in record for k in REQUIRED_FIELDS):
+                    raise ValueError("valid JSON, but not a record")
                 key = record_key(record)
             except (ValueError, TypeError, AttributeError):  # torn, not JSON, or not a record
                 found.n_dropped += 1
@@ -166,6 +174,7 @@ def check_results_folder(job_dir: Path, needed_bytes: int = 0) -> None:
     """Raise ResultsFolderError unless `job_dir` can be created (or exists) and written, with at least
     `needed_bytes` free. Writes nothing that stays: the probe file is removed at once."""
     job_dir = Path(job_dir)
+    refuse_links(job_dir)
     existing = job_dir
     while not existing.exists():
         existing = existing.parent
@@ -186,6 +195,18 @@ def check_results_folder(job_dir: Path, needed_bytes: int = 0) -> None:
             f"results folder {job_dir}: {free / 2**20:.1f} MB free, the job's records need about "
             f"{needed_bytes / 2**20:.1f} MB"
         )
+
+
+def refuse_links(job_dir: Path) -> None:
+    """Raise ResultsFolderError when the job folder, its experiment folder or any file in the job
+    folder is a symbolic link: writing through it would touch a file outside the results folder."""
+    job_dir = Path(job_dir)
+    entries = sorted(job_dir.iterdir()) if job_dir.is_dir() and not job_dir.is_symlink() else []
+    for path in (job_dir.parent, job_dir, *entries):
+        if path.is_symlink():
+            raise ResultsFolderError(
+                f"{path} is a symbolic link: the runner never writes through links; remove it"
+            )
 
 
 def differing_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -227,7 +248,7 @@ class JobStore:
         path = self.dir / LOCK
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as error:
             raise ResultsFolderError(f"cannot create {path}: {_reason(error)}") from None
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
@@ -235,21 +256,41 @@ class JobStore:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise JobLocked(f"{self.dir} is being run by {_holder(holder)}; wait for it or stop it") from None
+            raise self._locked_by(holder) from None
         except OSError as error:  # a file system without locks: trust a recorded live holder
             if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
                 os.close(fd)
                 raise ResultsFolderError(f"cannot lock {path}: {_reason(error)}") from None
             if _alive(holder):
                 os.close(fd)
-                raise JobLocked(
-                    f"{self.dir} is being run by {_holder(holder)}; wait for it or stop it"
-                ) from None
+                raise self._locked_by(holder) from None
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         self._lock_fd = fd
         return _holder(holder) if holder else None
+
+    def check_not_running(self) -> None:
+        """Raise JobLocked while a live run holds the job's lock; takes nothing and writes nothing (a
+        sweep checks every job this way before any of them starts)."""
+        try:
+            fd = os.open(self.dir / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # no lock file (or a link, refused by refuse_links): nobody holds it
+            return
+        try:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by os.close below
+            except BlockingIOError:
+                raise self._locked_by(holder) from None
+            except OSError:  # a file system without locks: trust a recorded live holder
+                if _alive(holder):
+                    raise self._locked_by(holder) from None
+        finally:
+            os.close(fd)
+
+    def _locked_by(self, holder: str) -> JobLocked:
+        return JobLocked(f"{self.dir} is being run by {_holder(holder)}; wait for it or stop it")
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -315,7 +356,7 @@ class JobStore:
     def append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, default=str) + "\n").encode()
         try:
-            fd = os.open(self.records_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.records_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as error:
             raise ResultsWriteError(f"cannot write {self.records_path}: {_reason(error)}") from None
         end = os.fstat(fd).st_size
