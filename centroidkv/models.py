@@ -125,13 +125,13 @@ def parse_model_name(name: str) -> tuple[str, int | None]:
 
     Raises one ValueError for an unknown name or a depth outside 1 .. the published layer count.
     """
-    base, _, depth = name.partition(":") if isinstance(name, str) else (name, "", "")
+    base, colon, depth = name.partition(":") if isinstance(name, str) else (name, "", "")
     if base not in MODEL_NAMES:
         raise ValueError(
             f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} "
             f"(random-*:N keeps the first N layers)"
         )
-    if not depth:
+    if not colon:
         return base, None
     if base not in PAPER_CONFIGS:
         raise ValueError(f"model {name!r}: only the random-* models take a depth (:N)")

@@ -315,8 +315,15 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         name=str(logger_raw.get("name")), project=str(logger_raw.get("project", "centroidkv")), mode=mode
     )
     experiment = raw.get("experiment_name")
-    if not isinstance(experiment, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", experiment or ""):
-        errors.append(f"experiment_name: must be a plain directory name, got {experiment!r}")
+    if (
+        not isinstance(experiment, str)
+        or not re.fullmatch(r"[A-Za-z0-9_.-]+", experiment)
+        or experiment in (".", "..")  # the results folder itself, or the folder above it
+    ):
+        errors.append(
+            "experiment_name: must be a plain folder name (letters, digits, _ . -; not . or ..), "
+            f"got {experiment!r}"
+        )
     for key in ("retry_failed", "warmup", "overwrite"):
         if not isinstance(raw.get(key, False), bool):
             errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")

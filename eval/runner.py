@@ -30,7 +30,8 @@ class SetupError(JobError):
 
 
 class NoSuccessError(JobError):
-    """Every record of the job failed: it is not marked done, so a rerun tries again."""
+    """Every record of the job failed: it is not marked done; a rerun retries the failed records only
+    with retry_failed=true (by default they are kept and skipped)."""
 
 
 def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
@@ -146,9 +147,10 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     logger.finish(summary, list(records.values()))
     if summary["n_records"] == summary["n_failed"]:
         first = next((r.get("error") for r in records.values() if r.get("error")), "no sample")
+        retry = "" if cfg.retry_failed else "; a rerun skips failed records: retry_failed=true retries them"
         raise NoSuccessError(
             f"{cfg.job_dir}: none of the {summary['n_records']} records succeeded (first error: {first}); "
-            "the job is not marked done"
+            f"the job is not marked done{retry}"
         )
     store.finish(summary)
     return summary
