@@ -156,17 +156,20 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], bool]:
 
 
 def iter_records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
-    """All records under the given files or folders (searched recursively for records.jsonl)."""
+    """All records under the given files or folders (searched recursively for records.jsonl), each
+    with `_identity`: its job's saved identity (config.yaml beside the file), or None."""
     for path in paths:
         path = Path(path)
         files = [path] if path.is_file() else sorted(path.rglob(RECORDS))
         for file in files:
             found = scan_records(file)
+            identity = JobStore(file.parent).saved_identity()
             if found.n_dropped:
                 print(f"[records] {file}: {found.n_dropped} torn or corrupt line(s) skipped", file=sys.stderr)
             for record in found.records:
                 record.setdefault("job", file.parent.name)
                 record.setdefault("experiment", file.parent.parent.name)
+                record["_identity"] = identity
                 yield record
 
 

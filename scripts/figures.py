@@ -6,16 +6,25 @@
 Figures (each drawn when the records hold what it needs), named <experiment>_<figure>:
   ruler_accuracy_vs_budget  RULER average score vs budget per method (full cache dashed), and per
                             task family;
+  <benchmark>_score_vs_kv   average score vs the measured KV ratio (kv_budget_ratio), one line per
+                            method or variant, one point per budget: the Pareto view;
   niah_heatmap              needle retrieval, depth x context length, one panel per method@budget;
   speed_vs_context          TPOT and KV cache size vs context length per method;
-  score_vs_r                RULER average vs CentroidKV's r schedule, one line per budget.
+  <benchmark>_score_vs_param  average score vs the parameter(s) a method was swept over (r_init,
+                            schedule, chunk_size, ...), one panel per swept method, one line per budget.
+
+Every method or variant (table label) has its own colour and marker, kept across figures. Files are
+written atomically (a temporary file renamed into place), never through a symbolic link.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -27,7 +36,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from scripts.tables import load_or_error  # noqa: E402
+from centroidkv.methods import method_label  # noqa: E402
+from scripts.tables import (  # noqa: E402
+    ABSENT,
+    OutputError,
+    differing_keys,
+    format_value,
+    kv_ratio,
+    load_or_error,
+    short_key_names,
+    writable_destination,
+)
 
 FAMILIES = {
     "Single NIAH": ("niah_single_1", "niah_single_2", "niah_single_3"),
@@ -38,28 +57,67 @@ FAMILIES = {
     "QA": ("qa_1", "qa_2"),
 }
 MARKERS = "osv^D<>pPX*h"
+# tab20's 10 strong colours, then their 10 light ones: the first 10 labels get 10 hues.
+COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
+FULL_COLORS = ("black", "dimgray", "darkgray")  # full-cache references (several when a row split)
 
 
-def _style(rank: int) -> dict:
-    """Colour and marker of the method ranked `rank` in the records (tables.load's method_rank)."""
-    rank = max(0, int(rank))
-    return dict(color=f"C{rank % 10}", marker=MARKERS[rank % len(MARKERS)])
+def _style(label_rank: int) -> dict:
+    """Colour and marker of the label ranked `label_rank` (tables.load's order of the labels).
+
+    Colour and marker both change from one label to the next, and the pair is unique for the first
+    lcm(20, 12) = 60 labels, so every method and variant of an experiment is told apart.
+    """
+    rank = max(0, int(label_rank))
+    return dict(color=COLORS[rank % len(COLORS)], marker=MARKERS[rank % len(MARKERS)])
+
+
+def _full_style(index: int) -> dict:
+    """A full-cache reference line: dashed, black first, greys for further configurations."""
+    return dict(color=FULL_COLORS[index % len(FULL_COLORS)], linestyle="--", linewidth=1.2)
 
 
 def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    """Save `fig` as PNG and PDF, each to a temporary file in `out` renamed into place."""
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
-    fig.savefig(paths[1], bbox_inches="tight")
-    plt.close(fig)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            writable_destination(path)
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.stem}.", suffix=path.suffix)
+            os.close(fd)
+            try:
+                fig.savefig(tmp, dpi=150, bbox_inches="tight")
+                os.chmod(tmp, 0o644)  # mkstemp creates 0600; figures are meant to be shared
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+    except OSError as error:
+        raise OutputError(f"error: cannot write {out / name}: {error.strerror or error}") from None
+    finally:
+        plt.close(fig)
     return paths
 
 
 def _task_means(df: pd.DataFrame) -> pd.DataFrame:
-    """Mean score per (label, budget, task) over successful samples; a label is one method or variant."""
-    ok = df[df["ok"]]
-    keys = ["method", "method_rank", "label", "budget", "task"]
-    return ok.groupby(keys, as_index=False)["score"].mean()
+    """Mean score and measured KV ratio per (label, budget, task) over successful samples; a label is
+    one method or variant."""
+    ok = df[df["ok"]].assign(kv=lambda part: kv_ratio(part))
+    keys = ["method", "label_rank", "label", "budget", "task"]
+    return ok.groupby(keys, as_index=False).agg(score=("score", "mean"), kv=("kv", "mean"))
+
+
+def _averages(means: pd.DataFrame) -> pd.DataFrame:
+    """Per (label, budget): the average over tasks of the per-task means, and the mean KV ratio; only
+    points that have every task of `means` (an average over fewer tasks would not compare)."""
+    n_tasks = means["task"].nunique()
+    avg = (
+        means.groupby(["method", "label_rank", "label", "budget"])
+        .agg(score=("score", "mean"), kv=("kv", "mean"), n=("task", "nunique"))
+        .reset_index()
+    )
+    return avg[avg["n"] == n_tasks].sort_values(["label_rank", "budget"])
 
 
 def _subtitle(df: pd.DataFrame) -> str:
@@ -76,31 +134,15 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
     part = means if tasks is None else means[means["task"].isin(tasks)]
     if part.empty:
         return False
-    n_tasks = part["task"].nunique()
-    # Average over tasks, only for (method, budget) points that have every task.
-    avg = (
-        part.groupby(["method", "method_rank", "label", "budget"])
-        .agg(score=("score", "mean"), n=("task", "nunique"))
-        .reset_index()
-    )
-    avg = avg[avg["n"] == n_tasks]
+    avg = _averages(part)
     budgets = sorted(avg.loc[avg["method"] != "full", "budget"].unique())
     n_lines = avg.loc[avg["method"] != "full", "label"].nunique()
     spread = 0.08 * (max(budgets) - min(budgets) if len(budgets) > 1 else 0.25)
-    line = 0
-    for (method, rank, label), rows in avg.sort_values(["method_rank", "label"]).groupby(
-        ["method", "method_rank", "label"], sort=False
-    ):
-        rows = rows.sort_values("budget")
+    line = full = 0
+    for (method, rank, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
         if method == "full":
-            ax.axhline(
-                rows["score"].mean(),
-                color="black",
-                linestyle="--",
-                linewidth=1.2,
-                label=f"{label} (no compression)",
-                zorder=5,
-            )
+            ax.axhline(rows["score"].mean(), label=f"{label} (no compression)", zorder=5, **_full_style(full))
+            full += 1
             continue
         # Dodge: equal scores would hide each other, so each line is shifted a little sideways.
         offset = (line - (n_lines - 1) / 2) * spread / max(1, n_lines - 1)
@@ -111,6 +153,8 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
     ax.set_title(title, fontsize=11)
     ax.set_xticks(budgets)
     ax.set_xticklabels([f"{b:.0%}" for b in budgets])
+    if len(budgets) == 1:  # one budget: centre it, with room for the dodged points on either side
+        ax.set_xlim(budgets[0] - 2 * spread, budgets[0] + 2 * spread)
     ax.set_xlabel("KV cache budget (fraction of prompt + generation)")
     ax.set_ylabel("Score (0-100)")
     ax.set_ylim(-3, 103)
@@ -169,6 +213,8 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
 
 
 def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    if "depth" not in df:
+        return []
     niah = df[(df["benchmark"] == "niah") & df["ok"] & df["depth"].notna()]
     if niah.empty:
         return []
@@ -177,7 +223,7 @@ def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             lambda r: r["label"] if r["method"] == "full" else f"{r['label']} @ {r['budget']:.0%}", axis=1
         )
     )
-    order = niah.sort_values(["method_rank", "budget"]).drop_duplicates("who")["who"].tolist()
+    order = niah.sort_values(["label_rank", "budget"]).drop_duplicates("who")["who"].tolist()
     depths = sorted(niah["depth"].unique())
     lengths = sorted(niah["length"].unique())
     cols = min(4, len(order))
@@ -216,6 +262,8 @@ def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
 
 
 def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    if "tpot" not in df:
+        return []
     timed = df[df["ok"] & df["tpot"].notna()]
     if timed.empty or timed["length"].nunique() < 2:
         return []
@@ -226,12 +274,12 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         tpot_ms=timed["tpot"] * 1000,
         kv_mib=timed["kv_bytes_final"].fillna(timed["kv_bytes"]) / 2**20,
     )
-    agg = timed.groupby(["method", "method_rank", "who", "length"], as_index=False)[
+    agg = timed.groupby(["method", "label_rank", "who", "length"], as_index=False)[
         ["tpot_ms", "kv_mib"]
     ].mean()
-    agg = agg.sort_values(["method_rank", "who", "length"])
+    agg = agg.sort_values(["label_rank", "who", "length"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (method, rank, who), group in agg.groupby(["method", "method_rank", "who"], sort=False):
+    for (method, rank, who), group in agg.groupby(["method", "label_rank", "who"], sort=False):
         group = group.sort_values("length")
         style = dict(linestyle="--", color="black", marker="o") if method == "full" else _style(rank)
         ax1.plot(group["length"], group["tpot_ms"], label=who, **style)
@@ -256,52 +304,109 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     return _save(fig, out, f"{prefix}speed_vs_context")
 
 
-def score_vs_r(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
-    ours = df[(df["method"] == "centroidkv") & df["ok"] & (df["benchmark"] == "ruler")]
-    if ours.empty or ours["params_json"].nunique() < 2:
-        return []
-    ours = ours.assign(
-        r_init=ours["params"].map(lambda p: p.get("r_init")),
-        schedule=ours["params"].map(lambda p: f"{p.get('r_init')}/{p.get('delta_r')}/{p.get('r_min')}"),
-    )
-    means = ours.groupby(["schedule", "r_init", "budget", "task"], as_index=False)["score"].mean()
-    avg = means.groupby(["schedule", "r_init", "budget"], as_index=False)["score"].mean()
-    varies_only_r = avg.groupby("r_init")["schedule"].nunique().max() == 1
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    schedules = sorted(avg["schedule"].unique(), key=lambda s: [float(x) for x in s.split("/")])
-    for i, budget in enumerate(sorted(avg["budget"].unique())):
-        part = avg[avg["budget"] == budget]
-        if varies_only_r:
-            part = part.sort_values("r_init")
-            ax.plot(part["r_init"], part["score"], marker="o", color=f"C{i}", label=f"budget {budget:.0%}")
-        else:
-            xs = [schedules.index(s) for s in part["schedule"]]
-            ax.plot(xs, part["score"], marker="o", linestyle="", color=f"C{i}", label=f"budget {budget:.0%}")
-    full = df[
-        (df["method"] == "full")
-        & df["ok"]
-        & (df["benchmark"] == "ruler")
-        & df["task"].isin(ours["task"].unique())
-    ]
-    if not full.empty:
-        ax.axhline(
-            full.groupby("task")["score"].mean().mean(), color="black", linestyle="--", label="Full cache"
-        )
-    if varies_only_r:
-        ax.set_xlabel("r_init: fraction of set-A tokens merged per round")
-    else:
-        ax.set_xticks(range(len(schedules)))
-        ax.set_xticklabels(schedules, rotation=30, fontsize=8)
-        ax.set_xlabel("r schedule (r_init / delta_r / r_min)")
-    ax.set_ylabel("RULER average score (0-100)")
-    ax.set_ylim(-3, 103)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"CentroidKV: score vs r schedule — {_subtitle(ours)}", fontsize=10)
-    return _save(fig, out, f"{prefix}score_vs_r")
+def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    """Per benchmark: the average score against the measured KV ratio (the Pareto view).
+
+    One line per method or variant through its budgets, each point the average over tasks of the
+    per-task means (only points that have every task) at the mean measured `kv_budget_ratio` (or
+    `kv_ratio` in older records); the full cache is a dashed reference line with its own point.
+    """
+    paths = []
+    for benchmark, part in df[df["ok"]].groupby("benchmark"):
+        avg = _averages(_task_means(part)).dropna(subset=["kv"])
+        if avg.loc[avg["method"] != "full"].empty:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.6))
+        full = 0
+        for (method, rank, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
+            if method == "full":
+                style = _full_style(full)
+                ax.axhline(rows["score"].mean(), label=f"{label} (no compression)", zorder=5, **style)
+                ax.plot(
+                    rows["kv"], rows["score"], marker="*", markersize=11, linestyle="", color=style["color"]
+                )
+                full += 1
+                continue
+            rows = rows.sort_values("kv")
+            ax.plot(rows["kv"], rows["score"], label=label, linewidth=1.4, markersize=6, **_style(rank))
+        ax.set_xlabel("Measured KV ratio (bytes stored after compression / full cache of n + max new tokens)")
+        ax.set_ylabel("Average score (0-100)")
+        ax.set_xlim(left=0)
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
+        ax.set_title(f"{benchmark}: average score vs measured KV ratio\n{_subtitle(part)}", fontsize=10)
+        paths += _save(fig, out, f"{prefix}{benchmark}_score_vs_kv")
+    return paths
 
 
-FIGURES = (accuracy_vs_budget, niah_heatmap, speed_vs_context, score_vs_r)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    """Per benchmark: each method's average score against the parameter(s) it was swept over.
+
+    A method is swept when its labels (tables.load: one per configuration) differ in their identity
+    (`row_identity`: parameters, or job-wide keys such as max_new_tokens). One panel per swept method,
+    one line per budget. The x axis is the parameter's value when a single numeric parameter varies;
+    otherwise it is categorical, each tick naming the combination (`r_init=0.3, schedule=linear`).
+    """
+    paths = []
+    for benchmark, part in df[df["ok"]].groupby("benchmark"):
+        avg = _averages(_task_means(part))
+        identity_of = dict(zip(part["label"], part["identity"], strict=False))
+        panels = []
+        for method, rows in avg[avg["method"] != "full"].groupby("method", sort=False):
+            labels = list(dict.fromkeys(rows["label"]))
+            keys = differing_keys([identity_of[label] for label in labels])
+            if len(labels) > 1 and keys:
+                panels.append((method, rows, labels, keys))
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False)
+        full = avg[avg["method"] == "full"].groupby("label", sort=False)["score"].mean()
+        for ax, (method, rows, labels, keys) in zip(axes.flat, panels, strict=True):
+            names = short_key_names(keys)
+            values = {label: [identity_of[label].get(k, ABSENT) for k in keys] for label in labels}
+            numeric = len(keys) == 1 and all(_is_number(v[0]) for v in values.values())
+            if numeric:
+                x_of = {label: float(v[0]) for label, v in values.items()}
+            else:
+                ticks = [
+                    ", ".join(
+                        f"{names[k]}={format_value(v)}" for k, v in zip(keys, values[label], strict=True)
+                    )
+                    for label in labels
+                ]
+                x_of = {label: float(i) for i, label in enumerate(labels)}
+                ax.set_xticks(range(len(labels)))
+                ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=8)
+            for i, (budget, series) in enumerate(rows.groupby("budget")):
+                series = series.assign(x=series["label"].map(x_of)).sort_values("x")
+                style = _style(i)
+                ax.plot(
+                    series["x"],
+                    series["score"],
+                    label=f"budget {budget:g}",
+                    linestyle="-" if numeric else ":",
+                    **style,
+                )
+            for i, (label, score) in enumerate(full.items()):
+                ax.axhline(score, label=label, **_full_style(i))
+            ax.set_xlabel(", ".join(names[k] for k in keys))
+            ax.set_ylabel("Average score (0-100)")
+            ax.set_ylim(-3, 103)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            ax.set_title(f"{method_label(method)}: score vs {', '.join(names[k] for k in keys)}", fontsize=10)
+        fig.suptitle(f"{benchmark} — {_subtitle(part)}", fontsize=10)
+        fig.tight_layout()
+        paths += _save(fig, out, f"{prefix}{benchmark}_score_vs_param")
+    return paths
+
+
+FIGURES = (accuracy_vs_budget, score_vs_kv, niah_heatmap, speed_vs_context, score_vs_param)
 
 
 def make_figures(df: pd.DataFrame, out: Path) -> list[Path]:
@@ -324,7 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(df, str):
         print(df, file=sys.stderr)
         return 2
-    paths = make_figures(df, args.out)
+    try:
+        paths = make_figures(df, args.out)
+    except OutputError as error:
+        print(error, file=sys.stderr)
+        return 2
     for path in paths:
         print(f"[figure] {path}")
     if not paths:

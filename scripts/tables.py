@@ -16,6 +16,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -24,7 +25,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.methods import method_label  # noqa: E402
-from eval.records import iter_records  # noqa: E402
+from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 
 TASK_NAMES = {
     "niah_single_1": "S-NIAH-1",
@@ -43,20 +44,118 @@ TASK_NAMES = {
 }
 
 
+# Identity keys that never split a row. Each one only says where a job's results go, or only chooses
+# which samples run while every record names the sample it holds (task, length, depth, sample_id), so
+# a table is the same whether those samples ran in one job or in several. Every other identity key
+# changes the numbers: records that differ in one are different configurations and get their own rows.
+NON_SPLITTING_KEYS = frozenset(
+    {
+        "results_dir",  # where the job folder is written
+        "experiment_name",  # which folder groups the jobs (tables are made per experiment anyway)
+        "benchmark.n_samples",  # how many samples per task and length run
+        "benchmark.tasks",  # which tasks run: each record names its task, a table has a column per task
+        "benchmark.lengths",  # which context lengths run: each record names its length (captions list them)
+        "benchmark.depths",  # which needle depths run: each record names its depth
+        "benchmark.data_dir",  # where LongBench's files are read from, not what they hold
+    }
+)
+# Record fields that change the numbers, for jobs whose saved identity (or missing config.yaml)
+# predates them: field -> (identity key, value when the record lacks the field).
+RECORD_IDENTITY_FIELDS = {"budget_unit": ("budget_unit", "entries")}
+# A key absent from some identities of a label (a job of an older version): shown as "?".
+ABSENT = "?"
+
+
+def row_identity(record: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The identity keys that tell the configuration of `record` (of method variant `variant`) apart.
+
+    From its job's saved identity (`_identity`, config.yaml): the job-wide keys but NON_SPLITTING_KEYS,
+    and its own variant's keys `methods.<variant>.*` (written `method.*`, so that variants of one
+    method compare key by key) but their budgets (the record has its own budget); other variants'
+    keys are left out. A record without a saved identity has only its `params` (`method.params.*`).
+    """
+    saved = record.get("_identity")
+    if not isinstance(saved, dict):
+        params = record.get("params") if isinstance(record.get("params"), dict) else {}
+        identity = {f"method.params.{k}": v for k, v in params.items()}
+    else:
+        own = f"methods.{variant}."
+        identity = {}
+        for key, value in saved.items():
+            if key in NON_SPLITTING_KEYS or key == f"{own}budgets":
+                continue
+            if key.startswith("methods."):
+                if not key.startswith(own):
+                    continue
+                key = "method." + key.removeprefix(own)
+            identity[key] = value
+    for field_name, (key, missing) in RECORD_IDENTITY_FIELDS.items():
+        value = record.get(field_name)
+        identity.setdefault(key, missing if value is None or value != value else value)
+    return identity
+
+
+def short_key_names(keys: list[str]) -> dict[str, str]:
+    """The shortest dotted suffix of each key that no other key in `keys` ends with.
+
+    `methods.x.params.r_init` -> `r_init`; `benchmark.seed` and `method.params.seed` keep `benchmark.seed`
+    and `params.seed`. A bare `name` or `method` would say nothing: `model.name` stays whole.
+    """
+    names = {}
+    for key in keys:
+        parts = key.split(".")
+        for size in range(1, len(parts) + 1):
+            name = ".".join(parts[-size:])
+            if name in ("name", "method"):
+                continue
+            if not any(other != key and ("." + other).endswith("." + name) for other in keys):
+                break
+        names[key] = name
+    return names
+
+
+def differing_keys(identities: list[dict[str, Any]]) -> list[str]:
+    """The keys whose value is not the same in every identity (absent counts as a value), sorted."""
+    keys = sorted(set().union(*identities))
+    return [k for k in keys if len({json.dumps(i.get(k, ABSENT), sort_keys=True) for i in identities}) > 1]
+
+
+def format_value(value: Any) -> str:
+    """An identity value as a label shows it: strings bare, lists and dicts as JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _natural(value: Any) -> tuple:
+    """A sort key that orders numbers by value (4 < 10) and puts them before other values."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, json.dumps(value, sort_keys=True, default=str))
+
+
 def load(paths: list[Path]) -> pd.DataFrame:
     """All records under `paths` as a DataFrame, with a display `label` per row.
 
     Rows are grouped by `entry`: the record's `variant` when it has one (a named parameter set of a
     method in a multi-method job), its `method` otherwise. A variant is shown by its name; a method
-    by its class's label (`Method.label`). A method run with several parameter sets and no variant
-    names (a Hydra sweep) gets the differing parameters appended to its label. Rows of a method
-    that masks entries instead of removing them (record `kv_masked`, kvpress's AdaKV-style presses)
-    get " [masked]": their KV memory is the full cache's. Rows are ordered
-    as the records first name them (the order of the experiment's `methods`), the full cache first.
+    by its class's label (`Method.label`). Records of one label never pool two configurations: when
+    their `row_identity` differs (a sweep over a method's parameters, or jobs with another
+    max_new_tokens, model, ...), each configuration gets its own label, the label followed by the
+    keys that differ in their shortest unambiguous form, e.g. "Full cache (max_new_tokens=6)". Rows
+    of a method that masks entries instead of removing them (record `kv_masked`, kvpress's
+    AdaKV-style presses) get " [masked]": their KV memory is the full cache's.
+
+    `method_rank` orders entries as the records first name them (the order of the experiment's
+    `methods`), the full cache first; `label_rank` orders labels the same way, the configurations of
+    one entry by the values that tell them apart. Tables list rows, and figures pick styles, by it.
     """
-    df = pd.DataFrame(list(iter_records(paths)))
-    if df.empty:
-        return df
+    records = list(iter_records(paths))
+    if not records:
+        return pd.DataFrame()
+    df = pd.DataFrame(records)
     df["params"] = df["params"].map(lambda p: p if isinstance(p, dict) else {})
     df["params_json"] = df["params"].map(lambda p: json.dumps(p, sort_keys=True))
     variant = df["variant"] if "variant" in df else pd.Series(None, index=df.index, dtype=object)
@@ -69,30 +168,57 @@ def load(paths: list[Path]) -> pd.DataFrame:
         str(v) if named else method_label(m, p)
         for v, named, m, p in zip(variant, has_variant, df["method"], df["params"], strict=True)
     ]
-    for _, group in df[~has_variant].groupby(["experiment", "label"]):
-        param_sets = group["params_json"].unique()
-        if len(param_sets) < 2:
+    own_variant = variant.where(variant.notna() & (variant.astype(str) != ""), df["method"]).astype(str)
+    identities = [row_identity(r, v) for r, v in zip(records, own_variant, strict=True)]
+    df["identity"] = identities
+    df["identity_json"] = [json.dumps(i, sort_keys=True, default=str) for i in identities]
+    within_entry: dict[str, tuple] = {}  # label -> how it sorts among its entry's configurations
+    for (_, label), group in df.groupby(["experiment", "label"], sort=False):
+        distinct = dict(zip(group["identity_json"], group["identity"], strict=True))
+        if len(distinct) < 2:
             continue
-        dicts = [json.loads(v) for v in param_sets]
-        differing = sorted(k for k in set().union(*dicts) if len({json.dumps(d.get(k)) for d in dicts}) > 1)
-        for param_set, params in zip(param_sets, dicts, strict=True):
-            suffix = ", ".join(f"{k}={params.get(k)}" for k in differing)
-            mask = group.index[group["params_json"] == param_set]
-            df.loc[mask, "label"] = f"{df.loc[mask[0], 'label']} ({suffix})"
+        differing = differing_keys(list(distinct.values()))
+        names = short_key_names(differing)
+        for identity_json, identity in distinct.items():
+            values = [identity.get(k, ABSENT) for k in differing]
+            suffix = ", ".join(
+                f"{names[k]}={format_value(v)}" for k, v in zip(differing, values, strict=True)
+            )
+            df.loc[group.index[group["identity_json"] == identity_json], "label"] = f"{label} ({suffix})"
+            within_entry[f"{label} ({suffix})"] = tuple(_natural(v) for v in values)
     if "kv_masked" in df:  # head-wise masking presses keep full-size tensors: no memory saved
         masked = df["kv_masked"].map(lambda m: m is True)
         for label in df.loc[masked, "label"].unique():
             df.loc[df["label"] == label, "label"] = f"{label} [masked]"
+            within_entry[f"{label} [masked]"] = within_entry.get(label, ())
     df["ok"] = df["status"] == "ok"
     first_seen = {entry: rank for rank, entry in enumerate(dict.fromkeys(df["entry"]))}
     df["method_rank"] = [
         -1 if m == "full" else first_seen[e] for m, e in zip(df["method"], df["entry"], strict=True)
     ]
+    labels = df.drop_duplicates("label")
+    order = sorted(
+        zip(labels["method_rank"], labels["label"], range(len(labels)), strict=True),
+        key=lambda item: (item[0], within_entry.get(item[1], ()), item[2]),
+    )
+    label_rank = {label: rank for rank, (_, label, _) in enumerate(order)}
+    df["label_rank"] = df["label"].map(label_rank)
     return df
 
 
+def kv_ratio(df: pd.DataFrame) -> pd.Series:
+    """Each record's measured KV ratio: `kv_budget_ratio` (bytes stored right after compression over
+    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it."""
+    measured = pd.Series(np.nan, index=df.index, dtype=float)
+    for column in ("kv_budget_ratio", "kv_ratio"):
+        if column in df:
+            measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
+    return measured
+
+
 def score_table(df: pd.DataFrame, budget: float, names: dict[str, str] | None = None) -> pd.DataFrame:
-    """Methods x tasks mean score at `budget` (the full cache as reference), with Avg and failed count."""
+    """Methods x tasks mean score at `budget` (the full cache as reference), with Avg, the measured
+    KV ratio (KV: mean kv_budget_ratio of the row's successful samples) and the sample counts."""
     rows = df[(df["budget"] == budget) | (df["method"] == "full")]
     ok = rows[rows["ok"]]
     table = ok.pivot_table(index="label", columns="task", values="score", aggfunc="mean")
@@ -101,9 +227,10 @@ def score_table(df: pd.DataFrame, budget: float, names: dict[str, str] | None = 
     )
     table = table[tasks]
     table["Avg"] = table.mean(axis=1, skipna=False)
+    table["KV"] = kv_ratio(ok).groupby(ok["label"]).mean()
     table["n"] = ok.groupby("label").size()
     table["failed"] = rows[~rows["ok"]].groupby("label").size().reindex(table.index).fillna(0).astype(int)
-    order = rows.drop_duplicates("label").sort_values(["method_rank", "params_json"])["label"]
+    order = rows.drop_duplicates("label").sort_values("label_rank")["label"]
     table = table.reindex([label for label in order if label in table.index])
     table.columns = [(names or {}).get(c, c) for c in table.columns]
     table.index.name = "Method"
@@ -184,7 +311,7 @@ def speed_table(df: pd.DataFrame) -> pd.DataFrame:
         part.columns = [f"{title} @ {int(c)}" for c in part.columns]
         parts.append(part)
     table = pd.concat(parts, axis=1)
-    order = ok.drop_duplicates("who").sort_values(["method_rank", "budget"])["who"]
+    order = ok.drop_duplicates("who").sort_values(["label_rank", "budget"])["who"]
     table = table.reindex(list(order))
     table.index.name = "Method"
     return table
@@ -208,13 +335,16 @@ def _best(table: pd.DataFrame, column: str) -> float | None:
 
 
 COUNT_COLUMNS = {"n", "failed", "Rank", "samples"}
+# Columns with their own number of digits; they are never bolded (a smaller KV ratio is not "best").
+COLUMN_DIGITS = {"KV": 2}
+NOT_BOLDED = COUNT_COLUMNS | set(COLUMN_DIGITS)
 
 
 def _row_cells(table: pd.DataFrame, label, row, best: dict, digits: int, bold: str) -> list[str]:
     """A row's formatted cells; the best value of a column (never the full cache's) wrapped in `bold`."""
     cells = []
     for column in table.columns:
-        text = _fmt(row[column], 0 if column in COUNT_COLUMNS else digits)
+        text = _fmt(row[column], 0 if column in COUNT_COLUMNS else COLUMN_DIGITS.get(column, digits))
         if best.get(column) is not None and not str(label).startswith("Full") and row[column] == best[column]:
             text = bold.format(text)
         cells.append(text)
@@ -234,7 +364,7 @@ def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) ->
 
     header = [table.index.name or ""] + list(map(str, table.columns))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
-    best = {c: _best(table, c) for c in table.columns if c not in COUNT_COLUMNS} if bold_best else {}
+    best = {c: _best(table, c) for c in table.columns if c not in NOT_BOLDED} if bold_best else {}
     for label, row in table.iterrows():
         cells = [str(label), *_row_cells(table, label, row, best, digits, "**{}**")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -246,7 +376,7 @@ def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool
     def esc(text: str) -> str:
         return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace(">", r"$>$")
 
-    best = {c: _best(table, c) for c in table.columns if c not in COUNT_COLUMNS} if bold_best else {}
+    best = {c: _best(table, c) for c in table.columns if c not in NOT_BOLDED} if bold_best else {}
     lines = [
         r"\begin{table}[t]",
         r"\centering",
@@ -266,6 +396,23 @@ def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool
     return "\n".join(lines)
 
 
+def budget_words(df: pd.DataFrame) -> str:
+    """ " in bytes" / " in entries" for a caption when the records say their budget unit, else ""."""
+    if "budget_unit" not in df or df["budget_unit"].isna().all():
+        return ""
+    units = sorted(df["budget_unit"].fillna("entries").astype(str).unique())  # missing: older = entries
+    return f" in {' and '.join(units)}"
+
+
+def split_words(df: pd.DataFrame) -> str:
+    """ ", test split" for a caption when the records say their split (dev / test), else ""."""
+    if "split" not in df or df["split"].isna().all():
+        return ""
+    splits = sorted(df["split"].dropna().astype(str).unique())
+    unknown = " and records without a split" if df["split"].isna().any() else ""
+    return f", {' and '.join(splits)} split{'s' if len(splits) > 1 else ''}{unknown}"
+
+
 def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     """name -> (caption, table, digits) for every table the records allow."""
     tables: dict[str, tuple[str, pd.DataFrame, int]] = {}
@@ -278,7 +425,10 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
         budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
         averages = {}
         for budget in budgets or [1.0]:
-            caption = f"{title} scores (0-100) at budget {budget:g}, {models}, context {lengths} tokens"
+            caption = (
+                f"{title} scores (0-100) at budget {budget:g}{budget_words(part)}, {models}, "
+                f"context {lengths} tokens{split_words(part)}; KV: measured KV ratio"
+            )
             table = score_table(part, budget, names)
             tables[f"{bench}_budget{budget:g}"] = (caption, table, 1)
             averages[f"{budget:.0%}"] = table["Avg"]
@@ -304,9 +454,35 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     return tables
 
 
+class OutputError(RuntimeError):
+    """A table or figure file cannot be written; the message is one line."""
+
+
+def writable_destination(path: Path) -> Path:
+    """`path`, unless it is a symbolic link: an output is never written through one (it may point
+    anywhere, e.g. at a results file), and replacing the link would silently break it."""
+    if path.is_symlink():
+        raise OutputError(
+            f"error: {path} is a symbolic link; not writing through it (remove it or use --out)"
+        )
+    return path
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` atomically (a temporary file in the same folder, renamed into place): a killed
+    run leaves the old file or the new one, never a cut one."""
+    try:
+        atomic_write(writable_destination(path), text)
+    except ResultsWriteError as error:
+        raise OutputError(f"error: {error}") from None
+
+
 def write_tables(df: pd.DataFrame, out: Path) -> list[Path]:
     """Tables per experiment (file names prefixed by the experiment when there are several)."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"error: cannot create {out}: {error.strerror or error}") from None
     written = []
     several = df["experiment"].nunique() > 1
     for experiment, part in df.groupby("experiment"):
@@ -323,7 +499,7 @@ def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         latex = to_latex(table, caption, digits, bold_best) + "\n"
         for suffix, text in ((".md", markdown), (".tex", latex)):
             path = out / f"{name}{suffix}"
-            path.write_text(text, encoding="utf-8")
+            write_text(path, text)
             written.append(path)
         print(markdown)
     return written
@@ -341,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         print(df, file=sys.stderr)
         return 2
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent) / "tables"
-    written = write_tables(df, out)
+    try:
+        written = write_tables(df, out)
+    except OutputError as error:
+        print(error, file=sys.stderr)
+        return 2
     print(f"[tables] {len(written)} files under {out}")
     return 0
 

@@ -379,12 +379,12 @@ def test_tables_from_fixture(tmp_path):
     rows = {
         line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md.splitlines()[3:]
     }
-    # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, n, failed.
-    assert rows["Full cache"] == ["100.0", "100.0", "100.0", "4", "0"]
-    assert rows["CentroidKV"] == ["**50.0**", "50.0", "**50.0**", "4", "0"]
-    assert rows["SnapKV"] == ["0.0", "**75.0**", "37.5", "4", "0"]
+    # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, KV (no measured ratio: -), n, failed.
+    assert rows["Full cache"] == ["100.0", "100.0", "100.0", "-", "4", "0"]
+    assert rows["CentroidKV"] == ["**50.0**", "50.0", "**50.0**", "-", "4", "0"]
+    assert rows["SnapKV"] == ["0.0", "**75.0**", "37.5", "-", "4", "0"]
     md50 = (tmp_path / "ruler_budget0.5.md").read_text()
-    assert "| SnapKV | 50.0 | 0.0 | 25.0 | 4 | 1 |" in md50  # the failed sample is counted, not averaged
+    assert "| SnapKV | 50.0 | 0.0 | 25.0 | - | 4 | 1 |" in md50  # the failed sample is counted, not averaged
     tex = (tmp_path / "ruler_budget0.5.tex").read_text()
     assert r"\begin{tabular}" in tex and r"CentroidKV & \textbf{100.0} & \textbf{50.0} & \textbf{75.0}" in tex
 
@@ -448,7 +448,7 @@ def test_figures_from_fixture(tmp_path):
         "fixture_ruler_ruler_accuracy_by_family",
         "fixture_speed_niah_heatmap",
         "fixture_speed_speed_vs_context",
-        "fixture_sweep_r_score_vs_r",
+        "fixture_sweep_r_ruler_score_vs_param",
     ]
     for name in expected:
         for suffix in (".png", ".pdf"):
