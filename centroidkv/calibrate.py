@@ -148,7 +148,7 @@ def essay_prompts(tokenizer, n_prompts: int, n_tokens: int) -> list[Tensor]:
     """`n_prompts` consecutive, non-overlapping windows of `n_tokens` tokens of the essays."""
     from eval.ruler.haystack import essay_text
 
-    ids = tokenizer(essay_text(n_prompts * n_tokens), return_tensors="pt").input_ids
+    ids = tokenizer(essay_text(n_prompts * n_tokens, split="dev"), return_tensors="pt").input_ids
     if ids.shape[1] < n_prompts * n_tokens:
         ids = ids.repeat(1, math.ceil(n_prompts * n_tokens / ids.shape[1]))
     return [ids[:, i * n_tokens : (i + 1) * n_tokens] for i in range(n_prompts)]

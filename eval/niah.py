@@ -2,7 +2,8 @@
 
 The grid behind the classic depth x length heatmap (gkamradt/LLMTest_NeedleInAHaystack), built with
 RULER's needle, template and length accounting (the niah_single_2 task with the depth fixed rather than
-drawn), so that a cell is scored by string match of the 7-digit value.
+drawn), so that a cell is scored by string match of the 7-digit value. A sample's seed, needle key and
+value and essays belong to its split (`dev` or `test`; see `eval.benchmarks.split_index`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eval.benchmarks import check_split, split_seed
 from eval.common import Tokenizer, count_tokens, largest_fitting, resolve_tokenizer
 from eval.metrics import ruler_score
 from eval.ruler import haystack as hs
@@ -24,13 +26,13 @@ DEFAULT_DEPTHS: tuple[float, ...] = tuple(float(d) for d in range(0, 101, 10))
 MAX_NEW_TOKENS = max_new_tokens("niah_single_2")
 
 
-def _builder(seed: str, depth: float):
+def _builder(seed: str, depth: float, split: str):
     rng = random.Random(seed)
-    key, value = hs.random_key_word(rng), hs.random_number(rng)
+    key, value = hs.random_key_word(rng, split), hs.random_number(rng, split)
     needle = NEEDLE.format(type_needle_v="numbers", key=key, value=value)
 
     def build(size: int) -> Built:
-        sentences = hs.split_sentences(hs.essay_text(size))
+        sentences = hs.split_sentences(hs.essay_text(size, split))
         text = " ".join(_insert_at_depths(sentences, [needle], [depth]))
         return Built(
             text, key, [value], fields={"type_needle_v": "number"}, single=True, extra={"needle": needle}
@@ -46,8 +48,10 @@ def generate_niah(
     seed: int = 0,
     n: int = 1,
     progress: bool = True,
+    split: str = "test",
 ) -> list[dict[str, Any]]:
-    """`n` samples per (length, depth) cell; depth in percent of the haystack's sentences.
+    """`n` samples of `split` ("dev" or "test") per (length, depth) cell; depth in percent of the
+    haystack's sentences.
 
     Samples have the keys of `eval.ruler.generate_samples` (task "niah") plus depth and needle; the
     prompt plus max new tokens fits each length, as RULER counts it.
@@ -56,12 +60,13 @@ def generate_niah(
         raise ValueError(f"lengths must be integers >= {MIN_LENGTH}, got {list(lengths)!r}")
     if not depths or any(not 0 <= d <= 100 for d in depths):
         raise ValueError(f"depths must be percentages in [0, 100], got {list(depths)!r}")
+    check_split(split)
     tok = resolve_tokenizer(tokenizer)
     cells = [(length, depth, i) for length in lengths for depth in depths for i in range(n)]
     samples: list[dict[str, Any]] = []
     guesses: dict[int, int] = {}
     for length, depth, i in tqdm(cells, desc="niah grid", disable=not progress):
-        build = _builder(f"niah:{seed}:{length}:{depth}:{i}", depth)
+        build = _builder(split_seed(split, "niah", seed, length, depth, i), depth, split)
         budget = length - MAX_NEW_TOKENS
 
         def measure(size: int, build=build) -> int:
@@ -88,6 +93,7 @@ def generate_niah(
                 "target_length": length,
                 "depth": depth,
                 "seed": seed,
+                "split": split,
                 "use_chat_template": True,
                 "haystack_size": size,
                 **built.extra,

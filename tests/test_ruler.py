@@ -174,7 +174,8 @@ def test_vt_chain_resolves_to_the_answer(samples):
 def test_cwe_counts_match_the_answer(length, samples):
     for s in samples[("cwe", length)]:
         body = s["context"].split("Memorize the ones that appear most often.\n")[-1]
-        entries = re.findall(r"(\d+)\. (\S+)", body)
+        # an entry runs to the next number: the vocabulary has multi-word entries ("ad hoc" besides "ad")
+        entries = re.findall(r"(\d+)\. (.+?)(?= \d+\. |\n|$)", body)
         assert [int(i) for i, _ in entries] == list(range(1, len(entries) + 1))
         counts = Counter(w for _, w in entries)
         assert len(s["answers"]) == 10
@@ -287,7 +288,8 @@ def test_niah_grid_places_the_needle_at_each_depth(tok):
         assert 0.95 * s["target_length"] <= s["ruler_length"] <= s["target_length"]
         body = s["context"][s["context"].index("afterwards.\n") + len("afterwards.\n") :]
         before = split_sentences(body[: body.index(s["needle"])])
-        total = len(split_sentences(body)) - 1
+        # the haystack's own sentences (its last one may be cut mid-sentence, so the needle is left out)
+        total = len(split_sentences(body.replace(s["needle"], "", 1)))
         assert len(before) == int(total * s["depth"] / 100)
         assert s["answers"][0] in s["needle"] and s["question"].startswith(
             "\nWhat is the special magic number for "
@@ -360,8 +362,10 @@ def test_qa_from_a_fake_hub(task, tok, monkeypatch):
         qa.load_qa.cache_clear()
     items, docs = qa.load_qa.__wrapped__("squad" if task == "qa_1" else "hotpotqa")
     for s in samples:
-        item = items[s["index"]]
-        assert s["answers"] == item.answers and s["question"].endswith(f"Question: {item.query}")
+        asked = [item for item in items if s["question"].endswith(f"Question: {item.query}")]
+        assert len(asked) == 1  # the sample's question is one of the dataset's
+        item = asked[0]
+        assert s["answers"] == item.answers
         for gold in item.gold:
             assert f":\n{docs[gold]}" in s["context"]  # every gold document is present verbatim
         numbers = [int(n) for n in re.findall(r"^Document (\d+):$", s["context"], flags=re.M)]

@@ -19,6 +19,11 @@ A sample is a dict with at least `task`, `length`, `input` (the user message), `
 `max_new_tokens`; `context`/`question` (the context-only protocol), `answer_prefix`,
 `use_chat_template`, `index`, `depth` are optional. Packages outside this repository register theirs
 through the `centroidkv.benchmarks` entry-point group.
+
+Splits: every benchmark has `split` (`dev` or `test`, default `test`). A generated benchmark keeps the
+two apart by seeding its random generators with `self.sample_seed(...)` (which starts with the
+split's name) and drawing its needle values and keys with `split_index` (from the split's half of
+their value space; the rule is there). A fixed published test set refuses `split=dev` in `validate`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import random
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
@@ -33,6 +39,53 @@ from typing import Any, ClassVar
 Sample = dict[str, Any]
 
 ENTRY_POINT_GROUP = "centroidkv.benchmarks"
+
+# The splits a benchmark can draw: `dev` to choose a method's settings (and to calibrate it), `test` to
+# report. Their position here is the parity of their half of every value space (`split_index`).
+SPLITS: tuple[str, ...] = ("dev", "test")
+
+
+def split_error(split: object) -> str | None:
+    """What is wrong with `split` (one line), or None when it is one of SPLITS."""
+    if isinstance(split, str) and split in SPLITS:
+        return None
+    return f"must be one of {', '.join(SPLITS)}, got {split!r}"
+
+
+def check_split(split: str) -> None:
+    """Raise ValueError (one line) unless `split` is one of SPLITS."""
+    if (error := split_error(split)) is not None:
+        raise ValueError(f"split: {error}")
+
+
+def _parity(split: str) -> int:
+    """0 for dev, 1 for test: the parity of the split's half of every value space."""
+    check_split(split)
+    return SPLITS.index(split)
+
+
+def split_seed(split: str, *parts: object) -> str:
+    """The seed string of a random generator of `split`: the split's name, then `parts` (e.g. the
+    benchmark, the task, the seed, the sample index), joined by ":". No dev seed equals a test seed."""
+    check_split(split)
+    return ":".join([split, *map(str, parts)])
+
+
+def split_index(rng: random.Random, n: int, split: str) -> int:
+    """A uniform draw from `split`'s half of range(n): THE partition rule of the splits' value spaces.
+
+    Every value space a generator draws needles from is numbered 0..n-1 (how RULER's are numbered is
+    in `eval/ruler/haystack.py`); dev takes the even numbers, test the odd ones. Within its half a
+    split's draws are uniform, so the splits never share a value and each keeps the distribution of
+    the whole space.
+    """
+    parity = _parity(split)
+    return parity + 2 * rng.randrange((n - parity + 1) // 2)
+
+
+def split_items(n: int, split: str) -> range:
+    """The numbers of range(n) that belong to `split` (the same rule as `split_index`, enumerated)."""
+    return range(_parity(split), n, 2)
 
 
 @dataclass(frozen=True)
@@ -46,6 +99,8 @@ class Benchmark:
     max_new_tokens: cap on the per-task generation length (None: the benchmark's own).
     context_only: compress the context only, then feed the question uncompressed.
     ignore_eos: decode exactly max_new_tokens (speed runs).
+    split: "dev" (choosing settings, calibration) or "test" (reported results); their samples are
+    disjoint (see `split_index`).
     """
 
     name: ClassVar[str] = "base"
@@ -60,6 +115,7 @@ class Benchmark:
     max_new_tokens: int | None = None
     context_only: bool = False
     ignore_eos: bool = False
+    split: str = "test"
 
     # --- what a benchmark module provides ---------------------------------------------------
     def load(self, tokenizer) -> list[Sample]:
@@ -93,6 +149,8 @@ class Benchmark:
         for key in ("context_only", "ignore_eos"):
             if not isinstance(getattr(self, key), bool):
                 errors.append(f"benchmark.{key}: must be true or false, got {getattr(self, key)!r}")
+        if (error := split_error(self.split)) is not None:
+            errors.append(f"benchmark.split: {error}")
         return errors
 
     @property
@@ -105,6 +163,11 @@ class Benchmark:
         return len(self.tasks) * len(self.lengths) * self.n_samples
 
     # --- shared ---------------------------------------------------------------------------
+    def sample_seed(self, *parts: object) -> str:
+        """The seed string of a random generator of this benchmark's split and seed, e.g.
+        `self.sample_seed(task, length)`; the same parts in the other split give another seed."""
+        return split_seed(self.split, self.name, self.seed, *parts)
+
     def params(self) -> dict[str, Any]:
         """The parameters with the name, as plain values (lists for tuples): a config node."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -2,7 +2,8 @@
 
 Data from the Hugging Face Hub, or from `data_dir` holding the same jsonl files. The one length is the
 truncation length of the prompt in tokens (LongBench's middle truncation); each dataset has its own
-generation length, prompt and metric (`eval.longbench`, `eval.metrics.longbench_score`).
+generation length, prompt and metric (`eval.longbench`, `eval.metrics.longbench_score`). LongBench is
+a fixed published test set: it has no dev split (`split=dev` is refused at validation).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class LongBench(Benchmark):
         if len(self.lengths) > 1:
             errors.append(
                 f"benchmark.lengths: LongBench takes one truncation length, got {list(self.lengths)}"
+            )
+        if self.split == "dev":
+            errors.append(
+                "benchmark.split: LongBench is a fixed published test set and has no dev split; "
+                "use split=test"
             )
         if self.data_dir is not None and not Path(str(self.data_dir)).is_dir():
             errors.append(f"benchmark.data_dir: no such folder {self.data_dir!r}")

@@ -50,6 +50,7 @@ class Niah(Benchmark):
             seed=self.seed,
             n=self.n_samples,
             progress=False,
+            split=self.split,
         )
         return [
             {**s, "task": s.get("task", "niah"), "length": s.get("target_length", s["length"])}

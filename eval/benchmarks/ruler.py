@@ -46,7 +46,9 @@ class Ruler(Benchmark):
         for task in self.tasks:
             for length in self.lengths:
                 try:
-                    generated = generate_samples(task, length, tokenizer, self.n_samples, seed=self.seed)
+                    generated = generate_samples(
+                        task, length, tokenizer, self.n_samples, seed=self.seed, split=self.split
+                    )
                 except RuntimeError as error:  # the hub tasks without the hub: skip them, run the others
                     if task not in HUB_TASKS:
                         raise

@@ -1,7 +1,8 @@
 """Toy: a tiny self-contained key-value recall task (no data, no generator package), for smoke tests.
 
 Each sample hides "The special magic number for <word> is: <7 digits>." at a random depth of a
-repeated filler text of about `length` tokens and asks for the number; scored by string match.
+repeated filler text of about `length` tokens and asks for the number; scored by string match. The
+splits draw keys from alternate words of WORDS and numbers of their own parity (`split_index`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from eval.benchmarks import Benchmark, Sample, register_benchmark
+from eval.benchmarks import Benchmark, Sample, register_benchmark, split_index
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -29,9 +30,10 @@ class Toy(Benchmark):
         samples = []
         for task in self.tasks:
             for length in self.lengths:
-                rng = random.Random(f"{self.seed}-{task}-{length}")
+                rng = random.Random(self.sample_seed(task, length))
                 for index in range(self.n_samples):
-                    key, value = rng.choice(WORDS), str(rng.randrange(10**6, 10**7))
+                    key = WORDS[split_index(rng, len(WORDS), self.split)]
+                    value = str(10**6 + split_index(rng, 9 * 10**6, self.split))
                     needle = f"The special magic number for {key} is: {value}. "
                     n_fill = max(1, length // 24)
                     depth = rng.randrange(n_fill)
@@ -48,6 +50,7 @@ class Toy(Benchmark):
                             answers=[value],
                             max_new_tokens=12,
                             length=length,
+                            split=self.split,
                         )
                     )
         return samples

@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from eval.benchmarks import SPLITS
 from eval.common import write_jsonl
 from eval.ruler.constants import TASK_NAMES
 from eval.ruler.tasks import check_arguments, generate_samples
@@ -33,11 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default="smollm2-135m", help="a centroidkv model name")
     parser.add_argument("--n", type=int, default=1, help="number of samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--split", choices=SPLITS, default="test", help="dev (choosing settings) or test (reported)"
+    )
     parser.add_argument("--full", action="store_true", help="print whole inputs")
     parser.add_argument("--out", help="also write the samples to this jsonl file")
     args = parser.parse_args(argv)
     try:
-        check_arguments(args.task, args.length, args.n)
+        check_arguments(args.task, args.length, args.n, args.split)
         from centroidkv.models import check_model_name  # names only: no tokenizer is loaded here
 
         check_model_name(args.tokenizer)
@@ -45,13 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {error}\n")
     start = time.perf_counter()
     try:
-        samples = generate_samples(args.task, args.length, args.tokenizer, args.n, args.seed, progress=True)
+        samples = generate_samples(
+            args.task, args.length, args.tokenizer, args.n, args.seed, progress=True, split=args.split
+        )
     except (RuntimeError, ValueError) as error:  # hub unreachable (qa), unknown tokenizer...
         print(f"error: {error}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
     for s in samples:
-        print(f"===== {s['task']} #{s['index']} (seed {s['seed']}) =====")
+        print(f"===== {s['task']} #{s['index']} ({s['split']} split, seed {s['seed']}) =====")
         print(_shorten(s["input"], 10**9 if args.full else 600))
         print(f"--- answer prefix: {s['answer_prefix']!r}")
         print(f"--- answers: {s['answers']}")

@@ -6,6 +6,10 @@ that depends on the size, so the size can be searched without changing the sampl
 always gives the same bytes. The size is the largest one whose prompt (input and answer prefix) plus
 the task's max new tokens fits the target length, as RULER counts it (NVIDIA/RULER
 `scripts/data/synthetic/*.py`: `length = tokens(input) + tokens_to_generate <= max_seq_length`).
+
+A sample's seed starts with its split (`dev` or `test`), and its needle values and keys, vt's names
+and values, its essays and its qa question come from the split's half (`eval.benchmarks.split_index`),
+so that no dev sample shares a seed, a needle value or a key with a test sample.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eval.benchmarks import check_split, split_index, split_items, split_seed
 from eval.common import Tokenizer, count_tokens, largest_fitting, resolve_tokenizer
 from eval.ruler import haystack as hs
 from eval.ruler.constants import DEPTHS, NEEDLE, NOISE, TASKS, TEMPLATES, max_new_tokens
@@ -88,7 +93,7 @@ def _insert_at_depths(units: list[str], needles: list[str], depths: list[int]) -
 # ---------------------------------------------------------------------------------------------- niah
 
 
-def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
+def _niah_builder(cfg: dict[str, Any], seed: str, split: str) -> Callable[[int], Built]:
     """NVIDIA/RULER `niah.py`: needles "One of the special magic ... for {key} is: {value}." at depths
     drawn from a 40-point grid; haystack of noise sentences, essay words or distractor needles.
 
@@ -100,8 +105,8 @@ def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     keys, values, needles = [], [], []
     for _ in range(num_k):
-        keys.append(hs.random_value(kind_k, rng))
-        values.append([hs.random_value(kind_v, rng) for _ in range(cfg["num_needle_v"])])
+        keys.append(hs.random_value(kind_k, rng, split))
+        values.append([hs.random_value(kind_v, rng, split) for _ in range(cfg["num_needle_v"])])
         needles += [NEEDLE.format(type_needle_v=kind_v, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
@@ -118,7 +123,7 @@ def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
 
     def build(size: int) -> Built:
         if haystack_kind == "essay":
-            units = hs.split_sentences(hs.essay_text(size))
+            units = hs.split_sentences(hs.essay_text(size, split))
             text = " ".join(_insert_at_depths(units, needles, depths))
         else:
             if haystack_kind == "noise":
@@ -128,8 +133,8 @@ def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
                     distractors.append(
                         NEEDLE.format(
                             type_needle_v=kind_v,
-                            key=hs.random_value(kind_k, distractor_rng),
-                            value=hs.random_value(kind_v, distractor_rng),
+                            key=hs.random_value(kind_k, distractor_rng, split),
+                            value=hs.random_value(kind_v, distractor_rng, split),
                         )
                     )
                 units = distractors[:size]
@@ -142,23 +147,27 @@ def _niah_builder(cfg: dict[str, Any], seed: str) -> Callable[[int], Built]:
 # ------------------------------------------------------------------------------------ variable tracking
 
 
-def _chain(rng: random.Random, num_chains: int, num_hops: int, name_len: int, value: str | None):
-    """Variable names (all distinct) and the assignment statements of each chain (RULER's format)."""
+def _chain(rng: random.Random, num_chains: int, num_hops: int, name_len: int, value: str | None, split: str):
+    """Variable names (all distinct) and the assignment statements of each chain (RULER's format);
+    names and values from the split's half."""
     names: list[str] = []
     while len(set(names)) < num_chains * (num_hops + 1):
-        names.append(hs.random_upper_name(rng, name_len))
+        names.append(hs.random_upper_name(rng, name_len, split))
     names = list(dict.fromkeys(names))
     chains, groups = [], []
     for c in range(num_chains):
         group = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
-        first = (
-            value if value is not None else str(rng.randint(10000, 99998))
-        )  # np.random.randint(10000, 99999)
+        first = value if value is not None else _chain_value(rng, split)
         statements = [f"VAR {group[0]} = {first}"]
         statements += [f"VAR {group[j + 1]} = VAR {group[j]} " for j in range(num_hops)]
         chains.append(statements)
         groups.append(group)
     return groups, chains
+
+
+def _chain_value(rng: random.Random, split: str) -> str:
+    """A chain's 5-digit value (np.random.randint(10000, 99999) in RULER), from the split's half."""
+    return str(10000 + split_index(rng, 89999, split))
 
 
 def _vt_haystack(rng: random.Random, chains: list[list[str]], size: int) -> str:
@@ -170,11 +179,11 @@ def _vt_haystack(rng: random.Random, chains: list[list[str]], size: int) -> str:
     return "\n".join(sentences).replace(". \n", ".\n")
 
 
-def _vt_builder(cfg: dict[str, Any], seed: str, icl: str) -> Callable[[int], Built]:
+def _vt_builder(cfg: dict[str, Any], seed: str, icl: str, split: str) -> Callable[[int], Built]:
     """NVIDIA/RULER `variable_tracking.py`: one chain of 4 hops hidden in noise, after a short worked
     example (3-letter names) that shows the answer format."""
     rng = random.Random(seed)
-    groups, chains = _chain(rng, cfg["num_chains"], cfg["num_hops"], 5, None)
+    groups, chains = _chain(rng, cfg["num_chains"], cfg["num_hops"], 5, None, split)
     value = chains[0][0].split("=")[-1].strip()
     fields = {"num_v": cfg["num_hops"] + 1}
 
@@ -191,10 +200,10 @@ def _vt_builder(cfg: dict[str, Any], seed: str, icl: str) -> Callable[[int], Bui
     return build
 
 
-def _vt_example(seed: str, num_hops: int, size: int) -> str:
+def _vt_example(seed: str, num_hops: int, size: int, split: str) -> str:
     """The worked example of vt (3-letter names), with its answer prefix and answer appended."""
     rng = random.Random(seed + ":icl")
-    groups, chains = _chain(rng, 1, num_hops, 3, str(rng.randint(10000, 99998)))
+    groups, chains = _chain(rng, 1, num_hops, 3, _chain_value(rng, split), split)
     built = Built(
         _vt_haystack(random.Random(seed + f":icl:{size}"), chains, size),
         chains[0][0].split("=")[-1].strip(),
@@ -214,7 +223,8 @@ def _vt_example_size(tokenizer: Tokenizer, num_hops: int) -> int:
     key = (id(tokenizer), num_hops)
     if key not in _VT_EXAMPLE_SIZES:
         size = largest_fitting(
-            lambda s: count_tokens(tokenizer, _vt_example("ruler:vt:probe", num_hops, s)),
+            # the probe only measures the example's size: any split's draws will do
+            lambda s: count_tokens(tokenizer, _vt_example("ruler:vt:probe", num_hops, s, "test")),
             500,
             guess=15,
             minimum=num_hops + 1,
@@ -305,11 +315,13 @@ def _fwe_builder(cfg: dict[str, Any], seed: str, length: int) -> Callable[[int],
 # ------------------------------------------------------------------------------------------------ qa
 
 
-def _qa_builder(cfg: dict[str, Any], seed: str, index: int) -> tuple[Callable[[int], Built], int]:
-    """NVIDIA/RULER `qa.py`: the gold document(s) of question `index`, then distractors (same SQuAD
-    article first, then any), shuffled and numbered "Document i:"."""
+def _qa_builder(cfg: dict[str, Any], seed: str, index: int, split: str) -> tuple[Callable[[int], Built], int]:
+    """NVIDIA/RULER `qa.py`: the gold document(s) of the split's question `index` (the splits take
+    alternate questions of the dataset), then distractors (same SQuAD article first, then any),
+    shuffled and numbered "Document i:"."""
     items, docs = load_qa(cfg["dataset"])
-    item = items[index % len(items)]
+    questions = split_items(len(items), split)
+    item = items[questions[index % len(questions)]]
     rng = random.Random(seed)
     more = list(item.more)
     rng.shuffle(more)
@@ -333,28 +345,37 @@ def _qa_builder(cfg: dict[str, Any], seed: str, index: int) -> tuple[Callable[[i
 _UNIT_TOKENS = {"noise": 24, "essay": 1.3, "needle": 30, "cwe": 14, "fwe": 3, "qa": 150, "vt": 24}
 
 
-def check_arguments(task: str, length: int, n: int) -> None:
-    """Raise ValueError (one line) for an unknown task, a too short length or a bad sample count."""
+def check_arguments(task: str, length: int, n: int, split: str = "test") -> None:
+    """Raise ValueError (one line) for an unknown task, a too short length, a bad sample count or an
+    unknown split."""
     if task not in TASKS:
         raise ValueError(f"unknown RULER task {task!r}; choose one of: {', '.join(TASKS)}")
     if not isinstance(length, int) or length < MIN_LENGTH:
         raise ValueError(f"length must be an integer >= {MIN_LENGTH} tokens, got {length!r}")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
+    check_split(split)
 
 
 def generate_samples(
-    task: str, length: int, tokenizer: Tokenizer | str, n: int, seed: int = 0, progress: bool = False
+    task: str,
+    length: int,
+    tokenizer: Tokenizer | str,
+    n: int,
+    seed: int = 0,
+    progress: bool = False,
+    split: str = "test",
 ) -> list[dict[str, Any]]:
-    """Generate `n` RULER samples of `task` whose prompt fits `length` tokens of `tokenizer`.
+    """Generate `n` RULER samples of `task` of `split` ("dev" or "test") whose prompt fits `length`
+    tokens of `tokenizer`.
 
     Each sample: task, index, input (= context + question, the user message), context, question,
     answer_prefix (appended after the assistant turn starts), answers, max_new_tokens, length (tokens of
     input), ruler_length (tokens of input + answer prefix, plus max_new_tokens: RULER's own `length`,
-    <= target_length), target_length, seed, use_chat_template, haystack_size, and per task: needles and
+    <= target_length), target_length, seed, split, use_chat_template, haystack_size, and per task: needles and
     depths (niah), chain (vt). `tokenizer` is a tokenizer or a `centroidkv` model name.
     """
-    check_arguments(task, length, n)
+    check_arguments(task, length, n, split)
     cfg = TASKS[task]
     kind = cfg["task"]
     if kind == "qa":
@@ -365,21 +386,21 @@ def generate_samples(
     guess: int | None = None
     samples = []
     for index in tqdm(range(n), desc=f"{task} @ {length}", disable=not progress):
-        sample_seed = f"ruler:{task}:{seed}:{index}"
+        sample_seed = split_seed(split, "ruler", task, seed, index)
         maximum, minimum = None, 0
         if kind == "niah":
-            build = _niah_builder(cfg, sample_seed)
+            build = _niah_builder(cfg, sample_seed, split)
             unit = cfg["type_haystack"]
         elif kind == "variable_tracking":
-            icl = _vt_example(sample_seed, cfg["num_hops"], _vt_example_size(tok, cfg["num_hops"]))
-            build, unit, minimum = _vt_builder(cfg, sample_seed, icl), "vt", cfg["num_hops"] + 1
+            icl = _vt_example(sample_seed, cfg["num_hops"], _vt_example_size(tok, cfg["num_hops"]), split)
+            build, unit, minimum = _vt_builder(cfg, sample_seed, icl, split), "vt", cfg["num_hops"] + 1
         elif kind == "common_words_extraction":
             build, unit = _cwe_builder(cfg, sample_seed, length), "cwe"
             minimum, maximum = cfg["num_cw"], len(hs.common_words())
         elif kind == "freq_words_extraction":
             build, unit = _fwe_builder(cfg, sample_seed, length), "fwe"
         else:
-            build, maximum = _qa_builder(cfg, sample_seed, index)
+            build, maximum = _qa_builder(cfg, sample_seed, index, split)
             unit = "qa"
 
         def measure(size: int, build=build) -> int:
@@ -410,6 +431,7 @@ def generate_samples(
                 "ruler_length": prompt_tokens + new_tokens,
                 "target_length": length,
                 "seed": seed,
+                "split": split,
                 "use_chat_template": True,
                 "haystack_size": size,
                 **built.extra,
