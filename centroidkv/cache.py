@@ -1,8 +1,11 @@
 """The compressed KV cache: keys, values and log-degrees per layer, and the paper's budget policy.
 
-Budget (docs/method.md, section 2): B = R * (n + Gamma) tokens per layer, R the budget ratio, n the prompt length,
-Gamma the maximum number of new tokens. After the prefill forward the cache is compressed to B when
-n > B; while decoding it is compressed back to B whenever it reaches B + g (g = the method's
+Budget (docs/method.md, section 2; `centroidkv.budget`): B entries per layer, from the budget ratio R,
+the prompt length n and the maximum number of new tokens Gamma. With `budget_unit="entries"` (the
+paper's accounting) B = R * (n + Gamma); with `budget_unit="bytes"` (the default) B is solved so that
+everything the cache stores (`kv_bytes()`: entries, degrees, entry records, heads kept whole) is R times
+the bytes of a full cache of n + Gamma tokens. After the prefill forward the cache is compressed to B
+when n > B; while decoding it is compressed back to B whenever it reaches B + g (g = the method's
 `compress_interval`). The first `n_sink` and last `n_recent` tokens are never given to the method.
 
 Compression happens at the end of each layer's attention call (the attention function calls
@@ -24,8 +27,10 @@ Layout of one layer (`CompressedLayer`):
 The heads are split at a layer's first compression, only when `Method.kept_whole` names heads for
 it; until then (and for every other method) keys/values hold all heads and the whole_* are None.
 The attention function runs the two groups separately (a query head attends to its KV head's group).
-Heads kept whole are on top of the budget B, which applies to the compressed heads (as in the paper);
-`kv_bytes()` counts every stored tensor and `kv_ratio()` relates it to the full cache.
+In entries, heads kept whole are on top of the budget B, which applies to the compressed heads (as in
+the paper); in bytes, they are paid for by the compressed heads. `kv_bytes()` counts every stored
+tensor; `kv_ratio()` relates it to a full cache of the tokens seen, `budget_ratio()` to the budget's
+reference, a full cache of n + Gamma tokens.
 
 Decoding writes in place. Every growing tensor (keys, values, log-degrees, entry records, whole
 heads) is the live prefix `buffer[:, :, :length]` of a preallocated buffer with headroom, so a decode
@@ -55,6 +60,13 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from centroidkv.budget import (
+    DEFAULT_BUDGET_UNIT,
+    RECORD_BYTES,
+    budget_entries,
+    check_budget_unit,
+    solve_entries,
+)
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
@@ -129,10 +141,22 @@ class CompressedLayer(DynamicLayer):
                 self._append(f"extras.{name}", new)
             else:
                 self.extras[name] = new
+        self.n_seen += new_tokens
         if self.prompt_len is None:
             self.prompt_len = new_tokens
-        self.n_seen += new_tokens
+            self.check_planned_room()
         return self.keys, self.values
+
+    def check_planned_room(self) -> None:
+        """Raise now (one line) when the generation this cache was planned for (the prompt plus
+        `max_new_tokens`) will need a compression whose budget cannot hold the protected tokens,
+        instead of failing at that compression, possibly many tokens later."""
+        method = self.owner.method
+        if not method.compresses or not self.owner.compression_enabled:
+            return
+        budget, planned = self.budget_len, self.prompt_len + max(0, self.owner.max_new_tokens - 1)
+        if self.prompt_len > budget or planned > budget + method.compress_interval - 1:
+            self.check_protected_fit()
 
     # --- in-place buffers (module docstring) -----------------------------------------------------
     def _get(self, slot: str) -> Tensor | None:
@@ -254,8 +278,7 @@ class CompressedLayer(DynamicLayer):
         """B for this layer, known once the prompt length is."""
         if self.prompt_len is None:
             return None
-        total = int(self.owner.budget * (self.prompt_len + self.owner.max_new_tokens))
-        return self.owner.method.layer_budget(total, self.layer_idx, self.owner.n_layers)
+        return self.owner.layer_budget_len(self)
 
     def degrees_or_zeros(self) -> Tensor:
         if self.log_degree is not None:
@@ -308,6 +331,7 @@ class CompressedLayer(DynamicLayer):
 
     def compress(self) -> None:
         """Shrink this layer to its budget, leaving sinks, the recent window and whole heads untouched."""
+        self.owner.plan_budget(self)  # in bytes: what the heads kept whole hold now
         method, budget = self.owner.method, self.budget_len
         if self.whole_heads is None and (whole := self.owner.heads_kept_whole().get(self.layer_idx)):
             self.split_heads(whole)
@@ -416,6 +440,8 @@ class CompressedCache(Cache):
       needs: records to keep besides the method's own (`centroidkv.needs`), so that `fork` can serve
         methods that need them (a shared prefill records the needs of every method of a job).
       in_place: decode into preallocated buffers (module docstring); False concatenates every step.
+      budget_unit: "bytes" (everything stored is R times a full cache of n + Gamma tokens) or
+        "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.budget`.
     """
 
     def __init__(
@@ -425,7 +451,9 @@ class CompressedCache(Cache):
         max_new_tokens: int = 0,
         needs: Iterable[Need] = (),
         in_place: bool = True,
+        budget_unit: str = DEFAULT_BUDGET_UNIT,
     ):
+        check_budget_unit(budget_unit)
         if isinstance(method, str):
             method = get_method(method)
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
@@ -441,6 +469,8 @@ class CompressedCache(Cache):
         self.model_ref: Callable[[], nn.Module | None] = lambda: None  # weak reference, same hook
         self.compression_enabled = True
         self.in_place = in_place
+        self.budget_unit = budget_unit
+        self._byte_plan: tuple[tuple[int, int], list[int]] | None = None  # (key, entries per layer)
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
@@ -459,6 +489,53 @@ class CompressedCache(Cache):
         if self._kept_whole is None:
             self._kept_whole = self.method.kept_whole(self.model_ref())
         return self._kept_whole
+
+    # --- the budget (module docstring; centroidkv.budget) -------------------------------------------
+    def layer_budget_len(self, layer: CompressedLayer) -> int:
+        """B for `layer`: entries per compressed head, in the cache's budget unit."""
+        if self.budget_unit == "entries" or not self.method.compresses:
+            entries = budget_entries(self.budget, layer.prompt_len, self.max_new_tokens)
+            return self.method.layer_budget(entries, layer.layer_idx, self.n_layers)
+        if self._byte_plan is None:
+            self.plan_budget(layer)
+        return self._byte_plan[1][layer.layer_idx]
+
+    def plan_budget(self, layer: CompressedLayer) -> None:
+        """In bytes, solve every layer's B for what is stored when `layer` compresses. Heads kept whole
+        grow while decoding, so the plan is solved again at a compression that sees more tokens; between
+        compressions it holds (the cache then grows to B + g, as with entries)."""
+        if self.budget_unit != "bytes" or not self.method.compresses:
+            return
+        key = (layer.prompt_len, layer.n_seen if self.heads_kept_whole() else 0)
+        if self._byte_plan is None or self._byte_plan[0] != key:
+            self._byte_plan = (key, self._solve_byte_plan(layer))
+
+    def _solve_byte_plan(self, layer: CompressedLayer) -> list[int]:
+        """Entries per layer such that everything stored right after a compression is at most R times
+        the bytes of a full cache of n + Gamma tokens, and one more entry per layer would exceed it.
+        Layers are alike (heads, head size, dtype), so `layer` describes them all."""
+        batch, _, _, head_dim = layer.keys.shape
+        n_heads = len(layer.head_lengths())  # every KV head of a layer, kept whole or not
+        entry_bytes = 2 * head_dim * layer.keys.element_size()  # a key and a value of one head
+        n_records = len(self.entry_needs) + (1 if self.method.merges else 0)  # + the log-degree
+        compressed_entry_bytes = batch * (entry_bytes + RECORD_BYTES * n_records)
+        whole = self.heads_kept_whole()
+        n_layers = self.n_layers
+        compressed_heads = [n_heads - len(whole.get(index, ())) for index in range(n_layers)]
+        whole_bytes = batch * sum(map(len, whole.values())) * layer.n_seen * entry_bytes
+        full_len = layer.prompt_len + self.max_new_tokens
+        target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
+
+        def stored_bytes(total: int) -> int:
+            per_layer = (self.method.layer_budget(total, index, n_layers) for index in range(n_layers))
+            entries = sum(heads * length for heads, length in zip(compressed_heads, per_layer, strict=True))
+            return whole_bytes + compressed_entry_bytes * entries
+
+        try:
+            total = solve_entries(stored_bytes, target, upper=full_len)
+        except ValueError as error:
+            raise ValueError(f"{self.method.name} at budget {self.budget:g} in bytes: {error}") from None
+        return [self.method.layer_budget(total, index, n_layers) for index in range(n_layers)]
 
     def layer(self, layer_idx: int) -> CompressedLayer:
         while len(self.layers) <= layer_idx:
@@ -491,8 +568,10 @@ class CompressedCache(Cache):
         budget: float,
         max_new_tokens: int | None = None,
         needs: Iterable[Need] = (),
+        budget_unit: str | None = None,
     ) -> CompressedCache:
-        """A new cache over the same entries with another method or budget, already compressed.
+        """A new cache over the same entries with another method or budget, already compressed
+        (`budget_unit` None: this cache's).
 
         This is how one prefill serves many (method, budget) runs: tensors are shared, not copied.
         Compression replaces tensors, and decoding writes only past the live length of buffers the
@@ -506,6 +585,7 @@ class CompressedCache(Cache):
             self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             needs,
             in_place=self.in_place,
+            budget_unit=self.budget_unit if budget_unit is None else budget_unit,
         )
         twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
         twin.layers = [layer.fork(twin) for layer in self.layers]
@@ -539,6 +619,24 @@ class CompressedCache(Cache):
                 n_heads = len(layer.head_lengths())
                 total += 2 * batch * n_heads * layer.n_seen * head_dim * layer.keys.element_size()
         return total
+
+    def reference_bytes(self) -> int:
+        """Bytes of the budget's reference: a full cache (keys and values, same dtype) of the prompt
+        plus `max_new_tokens` tokens; R times this is what a byte budget stores."""
+        total = 0
+        for layer in self.layers:
+            if layer.prompt_len is not None and layer.keys is not None and layer.keys.dim() == 4:
+                batch, _, _, head_dim = layer.keys.shape
+                full_len = layer.prompt_len + self.max_new_tokens
+                total += (
+                    2 * batch * len(layer.head_lengths()) * full_len * head_dim * layer.keys.element_size()
+                )
+        return total
+
+    def budget_ratio(self) -> float:
+        """`kv_bytes()` over `reference_bytes()`: R, measured (right after a compression in bytes)."""
+        reference = self.reference_bytes()
+        return self.kv_bytes() / reference if reference else float("nan")
 
     def kv_ratio(self) -> float:
         """Effective KV ratio: `kv_bytes()` over a full cache's bytes (what memory the budget really buys)."""

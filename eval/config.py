@@ -16,6 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, compressed_fraction
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -25,8 +26,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references and ~25 numbers
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
-ROOT_KEYS = ("model", "method", "methods", "budgets", "benchmark", "logger", "experiment_name", "results_dir",
-             "retry_failed", "warmup", "overwrite")  # fmt: skip
+ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
+             "results_dir", "retry_failed", "warmup", "overwrite")  # fmt: skip
 MODEL_KEYS = ("name", "dtype", "device")
 METHOD_KEYS = ("name", "budget", "params")
 LOGGER_KEYS = ("name", "project", "mode")
@@ -99,6 +100,7 @@ class RunConfig:
     methods: tuple[MethodSpec, ...]
     benchmark: Benchmark
     logger: LoggerConfig
+    budget_unit: str = DEFAULT_BUDGET_UNIT  # what a budget R counts (centroidkv.budget)
     retry_failed: bool = False
     warmup: bool = True
     overwrite: bool = False  # a job folder holding another config's records: set them aside, start again
@@ -112,6 +114,7 @@ class RunConfig:
             "model.dtype": dtype,
             "model.device": device.split(":")[0],  # cuda:0 and cuda:1 run the same numbers
             "warmup": self.warmup,  # timings of the first samples
+            "budget_unit": self.budget_unit,
         }
         identity.update({f"benchmark.{k}": v for k, v in self.benchmark.params().items()})
         for spec in self.methods:
@@ -327,8 +330,11 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     for key in ("retry_failed", "warmup", "overwrite"):
         if not isinstance(raw.get(key, False), bool):
             errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")
+    budget_unit = raw.get("budget_unit", DEFAULT_BUDGET_UNIT)
+    if budget_unit not in BUDGET_UNITS:
+        errors.append(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {budget_unit!r}")
     if not errors:
-        errors.extend(_protected_windows_errors(specs, benchmark))
+        errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit))
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
@@ -340,6 +346,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         methods=tuple(specs),
         benchmark=benchmark,
         logger=logger,
+        budget_unit=budget_unit,
         retry_failed=bool(raw.get("retry_failed", False)),
         warmup=bool(raw.get("warmup", True)),
         overwrite=bool(raw.get("overwrite", False)),
@@ -354,23 +361,38 @@ def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> 
     ]
 
 
-def _protected_windows_errors(specs: list[MethodSpec], benchmark: Benchmark) -> list[str]:
-    """One line per (variant, budget) whose budget cannot hold the method's protected tokens (sinks,
-    recent window, one more) at the benchmark's shortest length, when a length counts the sample's
-    prompt and new tokens (RULER, NIAH): every sample would fail at its first compression."""
+def _budget_errors(
+    specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str
+) -> list[str]:
+    """One line per (variant, budget) that cannot run, found before any model loads:
+    - in bytes, heads the method keeps whole (CentroidKV's outlier heads) that alone take the budget;
+    - a budget that cannot hold the method's protected tokens (sinks, recent window, one more) at the
+      benchmark's shortest length, when a length counts the sample's prompt and new tokens (RULER,
+      NIAH): every sample would fail at its first compression. In bytes the compressed heads' share is
+      estimated (`centroidkv.budget.compressed_fraction`); the cache checks the exact one at run time."""
     from centroidkv import get_method
 
-    if not benchmark.length_is_tokens:
-        return []
-    shortest = min(benchmark.lengths)
     errors = []
     for spec in specs:
         method = get_method(spec.name, **spec.params)
+        if not method.compresses:
+            continue
+        fraction = spec.budget
+        if budget_unit == "bytes":
+            try:
+                fraction = compressed_fraction(spec.budget, method.kept_whole_fraction(model_name))
+            except ValueError as error:
+                errors.append(f"budgets: {spec.label} in bytes on {model_name}: {error}")
+                continue
+        if not benchmark.length_is_tokens:
+            continue
+        shortest = min(benchmark.lengths)
         protected = method.n_sink + method.n_recent + 1
-        if method.compresses and int(spec.budget * shortest) < protected:
+        if int(fraction * shortest) < protected:
             errors.append(
-                f"budgets: {spec.label} keeps {int(spec.budget * shortest)} tokens of a {shortest}-token "
-                f"{benchmark.name} sample, fewer than its {protected} protected (n_sink {method.n_sink} + "
-                f"n_recent {method.n_recent} + 1); raise the budget or lower n_sink/n_recent"
+                f"budgets: {spec.label} keeps {int(fraction * shortest)} tokens of a {shortest}-token "
+                f"{benchmark.name} sample (budget_unit={budget_unit}), fewer than its {protected} protected "
+                f"(n_sink {method.n_sink} + n_recent {method.n_recent} + 1); raise the budget or lower "
+                "n_sink/n_recent"
             )
     return errors

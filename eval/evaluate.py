@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from centroidkv import get_method
+from centroidkv.budget import DEFAULT_BUDGET_UNIT
 from centroidkv.decoding import Generation, Prefill, default_eos, generate_from, needs_of, prefill
 from eval.benchmarks import Benchmark, Sample
 from eval.config import MethodSpec
@@ -27,8 +28,16 @@ from eval.timing import peak_memory, reset_peak_memory
 class Evaluator:
     """Prefill once per sample, then compress + decode per (method, budget)."""
 
-    def __init__(self, model, tokenizer, specs: tuple[MethodSpec, ...], benchmark: Benchmark):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        specs: tuple[MethodSpec, ...],
+        benchmark: Benchmark,
+        budget_unit: str = DEFAULT_BUDGET_UNIT,
+    ):
         self.model, self.tokenizer = model, tokenizer
+        self.budget_unit = budget_unit
         self.specs = specs
         self.methods = {spec: get_method(spec.name, **spec.params) for spec in specs}
         self.benchmark = benchmark
@@ -67,6 +76,7 @@ class Evaluator:
             max_new_tokens,
             eos_token_ids=eos,
             question_ids=self.ids(tail) if tail else None,
+            budget_unit=self.budget_unit,
         )
         return self.measurements(prefilled, result, eos)
 
@@ -77,6 +87,7 @@ class Evaluator:
         with its hooks (compression happens in that forward, so it is part of prefill_s), then feed
         the question and decode on the already compressed cache (no fork, no further compression)."""
         method = self.methods[spec]
+        # The budget's B is the same in both units: a press's cache stores keys and values only.
         with method.prefill_hooks(self.model, spec.budget, len(head), max_new_tokens):
             prefilled = prefill(self.model, self.ids(head), max_new_tokens)
         reset_peak_memory(self.device)  # as for forks: the peak of decoding, not of the prefill
@@ -110,6 +121,7 @@ class Evaluator:
             kv_bytes=result.kv_bytes_compressed,
             kv_bytes_final=result.kv_bytes,
             kv_ratio=result.kv_ratio,
+            kv_budget_ratio=result.budget_ratio,
             kv_len=max(result.seq_lengths, default=0),
             n_compressions=result.n_compressions,
             peak_mem=peak,
@@ -172,6 +184,8 @@ class Evaluator:
             "sample_id": sample_id(sample),
             "references": sample.get("answers"),
             "protocol": "context_only" if self.context_only else "full_prompt",
+            "split": getattr(self.benchmark, "split", None),
+            "budget_unit": self.budget_unit,
             **({"source_length": sample["source_length"]} if "source_length" in sample else {}),
         }
 

@@ -70,7 +70,7 @@ def value_kind(kind: str):
     if kind == "words":
         TASKS[task] = {**original_cfg, "type_needle_v": "words"}
     elif kind == "3-digit numbers":
-        hs.random_number = lambda rng: str(rng.randint(100, 999))
+        hs.random_number = lambda rng, split, digits=3: original_number(rng, split, digits)
     try:
         yield task
     finally:

@@ -67,7 +67,7 @@ def test_budget_one_equals_stock_generate(tiny_model):
 def test_compression_shrinks_tensors_and_keeps_invariants(tiny_model):
     ids, steps, budget = prompt(400), 200, 0.3
     method = get_method("centroidkv", chunk_size=32)
-    recorder = CompressedCache("full", budget=1.0, max_new_tokens=steps)
+    recorder = CompressedCache("full", budget=1.0, max_new_tokens=steps, budget_unit="entries")
     tiny_model(ids, past_key_values=recorder)
     cache = recorder.fork(method, budget)
     budget_len = int(budget * (400 + steps))
@@ -96,7 +96,9 @@ def test_compression_shrinks_tensors_and_keeps_invariants(tiny_model):
 
 def test_positions_follow_tokens_seen_not_entries_stored(tiny_model):
     ids = prompt(300)
-    cache = CompressedCache(get_method("centroidkv", chunk_size=32), budget=0.4, max_new_tokens=0)
+    cache = CompressedCache(
+        get_method("centroidkv", chunk_size=32), budget=0.4, max_new_tokens=0, budget_unit="entries"
+    )
     tiny_model(ids, past_key_values=cache)
     assert cache.seq_lengths()[0] == 120 and cache.get_seq_length() == 300
     twin = cache.fork(cache.method, 0.4)
@@ -113,7 +115,7 @@ def test_positions_follow_tokens_seen_not_entries_stored(tiny_model):
 def test_multi_token_step_over_compressed_cache_is_causal(tiny_model):
     """Feeding a question as one step equals feeding it token by token (the mask is aligned)."""
     ids, question = prompt(300), prompt(12, seed=5)
-    recorder = CompressedCache("full", budget=1.0)
+    recorder = CompressedCache("full", budget=1.0, budget_unit="entries")
     tiny_model(ids, past_key_values=recorder)
     one_step = recorder.fork(get_method("centroidkv", chunk_size=32), 0.4)
     with one_step.paused():
@@ -213,7 +215,7 @@ def test_attention_with_unit_degrees_equals_sdpa_and_duplicates_are_exact(q_len)
 def test_half_precision_model_stays_finite_with_degrees_up_to_1e5(tiny_model, dtype):
     model = copy.deepcopy(tiny_model).to(dtype)
     method = get_method("centroidkv", chunk_size=32, compress_interval=1)
-    cache = CompressedCache(method, budget=0.3, max_new_tokens=10)
+    cache = CompressedCache(method, budget=0.3, max_new_tokens=10, budget_unit="entries")
     model(prompt(300), past_key_values=cache)
     for layer in cache.layers:
         layer.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
@@ -307,3 +309,14 @@ def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny_model):
         assert [ref() for ref in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_a_planned_generation_the_budget_cannot_hold_fails_at_the_prompt_with_one_line(tiny_model):
+    """B = 0.5 * (50 + 100) = 75 < n_sink + n_recent = 80: the re-compression 89 tokens later would
+    fail, so the cache refuses at its first update, when it knows the prompt and max_new_tokens."""
+    cache = CompressedCache("centroidkv", budget=0.5, max_new_tokens=100, budget_unit="entries")
+    with pytest.raises(ValueError, match="cannot hold n_sink=16 \\+ n_recent=64") as raised:
+        tiny_model(prompt(50), past_key_values=cache)
+    assert "\n" not in str(raised.value)
+    roomy = CompressedCache("centroidkv", budget=0.9, max_new_tokens=10, budget_unit="entries")  # B = 54
+    tiny_model(prompt(50), past_key_values=roomy)  # 50 + 9 tokens never reach a compression

@@ -55,12 +55,12 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
     ids = prompt(300)
     full_tokens, full_logits = greedy(tiny_model, CompressedCache("full", 1.0, 40), ids, 40)
     method = get_method("centroidkv", chunk_size=32, outlier_heads=path, outlier_fraction=1.0)
-    cache = CompressedCache(method, 0.3, 40)
+    cache = CompressedCache(method, 0.3, 40, budget_unit="entries")  # in bytes, whole heads exceed R
     tokens, logits = greedy(tiny_model, cache, ids, 40)
     assert torch.equal(tokens, full_tokens)
     torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=0)
     assert cache.head_lengths() == [[339, 339]] * 2  # every token kept, by every head
-    compressed = CompressedCache(get_method("centroidkv", chunk_size=32), 0.3, 40)
+    compressed = CompressedCache(get_method("centroidkv", chunk_size=32), 0.3, 40, budget_unit="entries")
     _, compressed_logits = greedy(tiny_model, compressed, ids, 40)
     assert not torch.allclose(compressed_logits, full_logits, atol=1e-3)  # the test can tell them apart
 
@@ -68,7 +68,7 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
 def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_path):
     """outlier_heads="none" = Chunked Soft Matching on every head, as before the option (with the
     parameters of that time: post-RoPE, constant r = 0.5)."""
-    recorder = CompressedCache("full", 1.0, 0)
+    recorder = CompressedCache("full", 1.0, 0, budget_unit="entries")
     tiny_model(prompt(300), past_key_values=recorder)
     zero = head_file(tmp_path, tiny_model, [[1.0, 2.0]] * 2)
     before = dict(chunk_size=32, similarity="post_rope", schedule="linear", r_init=0.5, delta_r=0.0)
@@ -88,7 +88,9 @@ def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_pat
 
 def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_model, tmp_path):
     path = head_file(tmp_path, tiny_model, [[0.0, 1.0], [1.0, 0.0]])  # layer 0 head 1, layer 1 head 0
-    recorder = CompressedCache("full", 1.0, 0, needs=get_method("centroidkv", similarity="pre_rope").needs())
+    recorder = CompressedCache(
+        "full", 1.0, 0, needs=get_method("centroidkv", similarity="pre_rope").needs(), budget_unit="entries"
+    )
     tiny_model(prompt(300), past_key_values=recorder)
     method = get_method(
         "centroidkv", chunk_size=32, outlier_heads=path, outlier_fraction=0.5, similarity="pre_rope"

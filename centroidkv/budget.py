@@ -1,0 +1,67 @@
+"""What a budget R means: entries per layer (the paper's accounting) or bytes (equal memory).
+
+Both units start from one reference, a full cache of n + Gamma tokens (n the prompt, Gamma the
+maximum number of new tokens):
+
+- `entries`: every layer keeps B = R * (n + Gamma) entries per compressed KV head (`budget_entries`).
+  What a method stores besides keys and values (log-degrees, positions, accumulated attention, KV
+  heads kept whole) comes on top, so two methods at one R may store different bytes.
+- `bytes` (the default): the entries per layer are solved so that everything the cache stores
+  (`CompressedCache.kv_bytes()`) equals R times the bytes of that full cache, to within one entry per
+  layer (`solve_entries`). A method that stores more per entry, or keeps heads whole, pays for it by
+  keeping fewer entries in its compressed heads; methods that store keys and values only keep
+  exactly B entries under both units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+BUDGET_UNITS = ("bytes", "entries")
+DEFAULT_BUDGET_UNIT = "bytes"
+RECORD_BYTES = 4  # every per-entry record (log-degree, position, attention sum) is one float32
+
+
+def budget_entries(ratio: float, prompt_len: int, max_new_tokens: int) -> int:
+    """B = R * (n + Gamma): the entries a layer keeps in the paper's accounting."""
+    return int(ratio * (prompt_len + max_new_tokens))
+
+
+def check_budget_unit(unit: str) -> None:
+    if unit not in BUDGET_UNITS:
+        raise ValueError(f"budget_unit must be one of {', '.join(BUDGET_UNITS)}, got {unit!r}")
+
+
+def solve_entries(stored_bytes: Callable[[int], int], target_bytes: int, upper: int) -> int:
+    """The largest entry count B in [0, upper] with stored_bytes(B) <= target_bytes.
+
+    `stored_bytes` must be non-decreasing in B (it is: more entries never store less). Raises
+    ValueError when even B = 0 stores more than the target (e.g. heads kept whole exceed it).
+    """
+    if stored_bytes(0) > target_bytes:
+        raise ValueError(
+            f"a byte budget of {target_bytes} bytes cannot be met: what is stored besides the compressed "
+            f"entries (heads kept whole) already takes {stored_bytes(0)} bytes; raise the budget, keep "
+            "fewer heads whole, or use budget_unit=entries"
+        )
+    low, high = 0, upper  # invariant: stored_bytes(low) <= target
+    while low < high:
+        middle = (low + high + 1) // 2
+        if stored_bytes(middle) <= target_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def compressed_fraction(ratio: float, whole_fraction: float) -> float:
+    """The budget left to each compressed head, as a fraction of its full length, when a fraction
+    `whole_fraction` of all KV heads is kept whole (an estimate that ignores per-entry records and
+    that heads kept whole hold n, not n + Gamma, tokens: used to check configurations before a model
+    loads). Raises ValueError when the heads kept whole alone take the whole budget."""
+    if whole_fraction >= ratio:
+        raise ValueError(
+            f"its heads kept whole alone take {whole_fraction:.1%} of a full cache's bytes, not less than "
+            f"the budget {ratio:g}; raise the budget, keep fewer heads whole or use budget_unit=entries"
+        )
+    return (ratio - whole_fraction) / (1 - whole_fraction)
