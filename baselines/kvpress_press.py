@@ -37,6 +37,8 @@ Parameters:
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -137,6 +139,7 @@ def construct_press(name: str, params: dict[str, Any], ratio: float):
         )
     if "compression_ratio" in params:
         raise ValueError(f"kvpress {name}: compression_ratio is set from the budget (1 - budget); remove it")
+    check_param_types(name, cls, params)
     kwargs = dict(params)
     for key in INNER_FIELDS:
         value = kwargs.get(key)
@@ -152,6 +155,53 @@ def construct_press(name: str, params: dict[str, Any], ratio: float):
         return cls(**kwargs)
     except Exception as error:  # kvpress validates with asserts and its constructors' own errors
         raise ValueError(f"kvpress {name}: {_first_line(error)}") from None
+
+
+def check_param_types(name: str, cls: type, params: dict[str, Any]) -> None:
+    """ValueError (one line) for a parameter whose value does not fit its dataclass field's type: bool,
+    int, float, str, a Literal, None where Optional, and a press (given by class name or mapping).
+    Fields of other types (tensors, lists, ...) are left to the press's own checks."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that cannot be resolved: nothing to check against
+        return
+    for key, value in params.items():
+        if key in hints and not _fits(value, hints[key]):
+            raise ValueError(f"kvpress {name}: {key} must be {_type_name(hints[key])}, got {value!r}")
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if isinstance(annotation, type) and issubclass(annotation, import_kvpress().BasePress):
+        return isinstance(value, (str, dict))  # an inner press: its class name or a mapping
+    return True  # a type this check does not know
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, import_kvpress().BasePress):
+        return "a press (its class name, or a mapping with `press`)"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def build_press(name: str, params: dict[str, Any], ratio: float):
