@@ -5,7 +5,8 @@
 # in bf16, peak GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn
 # vs the reference, the throughput table).
 #
-#   scripts/gpu_check.sh [OUTPUT_DIR]            # on the GPU machine (default OUTPUT_DIR: $OUT or gpu_check_out)
+#   scripts/gpu_check.sh [OUTPUT_DIR]            # on the GPU machine (default OUTPUT_DIR: $OUT or gpu_check_out;
+#                                                # it must be new or empty: earlier results are never replaced)
 #   scripts/gpu_check.sh --dry-run [OUTPUT_DIR]  # the same code at tiny sizes on a CPU (tests run this)
 #
 # The GPU machine has no internet and its own PyTorch and transformers (2.11 / 5.17 when last seen); the
@@ -28,6 +29,12 @@ DRY_RUN=()
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=(--dry-run); shift; fi
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 PYTHON="${PYTHON:-$( [[ -x .venv/bin/python && ${#DRY_RUN[@]} -gt 0 ]] && echo .venv/bin/python || echo python3 )}"
+
+# A run never replaces an earlier run's results: the output folder must be new or empty.
+if [[ -d "$OUT_DIR" && -n "$(ls -A "$OUT_DIR")" ]]; then
+  echo "gpu_check: $OUT_DIR is not empty (an earlier run's results?): give a new or empty folder" >&2
+  exit 2
+fi
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
