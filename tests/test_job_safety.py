@@ -144,12 +144,15 @@ def test_a_second_run_of_a_running_job_exits_2_naming_the_holder(tmp_path):
     first = subprocess.Popen([*RUN, *args], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         records_path = wait_for_records(results, "twice/*/records.jsonl", 1, first)
+        # Stopped, the first run holds its lock until it is killed: left running, it could finish its
+        # samples (~10 s) and release the lock before the second run or the kill came (the flaky race).
+        first.send_signal(signal.SIGSTOP)
         second = run(args, timeout=120)
-        still_running = first.poll() is None
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    assert still_running, "the first run ended before the second one was checked"
+    assert first.returncode == -signal.SIGKILL, "the first run ended before it was killed"
+    assert not (records_path.parent / "done.json").exists()
     assert second.returncode == 2, second.stderr[-2000:]
     (line,) = error_lines(second)
     assert f"is being run by pid {first.pid} on host {socket.gethostname()}" in line
