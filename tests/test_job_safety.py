@@ -147,7 +147,7 @@ def test_a_second_run_of_a_running_job_exits_2_naming_the_holder(tmp_path):
         # Stopped, the first run holds its lock until it is killed: left running, it could finish its
         # samples (~10 s) and release the lock before the second run or the kill came (the flaky race).
         first.send_signal(signal.SIGSTOP)
-        second = run(args, timeout=120)
+        second = run(args)  # the default 300 s: under a loaded machine its startup alone took over 120 s
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
