@@ -71,6 +71,12 @@ from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
 
+# How to fix a fork whose source cache did not record what the method needs (the end of that error).
+FORK_NEEDS_FIX = (
+    "record it in the source: pass needs=needs_of([...the methods you will fork to]) to "
+    "centroidkv.decoding.prefill, or needs=... to the source CompressedCache"
+)
+
 
 class CompressedLayer(DynamicLayer):
     """One layer's entries and records (layout in the module docstring)."""
@@ -414,11 +420,14 @@ class CompressedLayer(DynamicLayer):
             elif RECORDERS[name].rebuildable and self.length == self.n_seen and self.whole_heads is None:
                 twin.extras[name] = RECORDERS[name].initial(0, tuple(self.keys.shape[:3]), self.keys.device)
             else:
-                raise ValueError(f"{owner.method.name} needs {name!r}, which the source cache did not record")
+                raise ValueError(
+                    f"{owner.method.name} needs {name!r}, which the source cache did not record; {FORK_NEEDS_FIX}"
+                )
         for name, window in owner.window_needs.items():
             if name not in self.windows or self.windows[name].shape[2] < window:
                 raise ValueError(
-                    f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not keep"
+                    f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not keep; "
+                    + FORK_NEEDS_FIX
                 )
             twin.windows[name] = self.windows[name][:, :, -window:]
         return twin

@@ -172,3 +172,88 @@ def generate_from(
         seq_lengths=cache.seq_lengths(),
         n_compressions=cache.n_compressions,
     )
+
+
+def own_prefill(
+    model: PreTrainedModel, method: Method, budget: float, context_ids: Tensor, max_new_tokens: int
+) -> Prefill:
+    """The prefill of a method that compresses inside its own prefill forward (kvpress's presses,
+    `method.compresses_in_prefill`): the context runs with the method's hooks active, so the returned
+    cache is already compressed and the compression time is part of `Prefill.seconds`. Such a method
+    cannot fork a shared prefill; continue with `generate_after_own_prefill`.
+    (The budget's B is the same in both units: a press's cache stores keys and values only.)"""
+    with method.prefill_hooks(model, budget, context_ids.shape[-1], max_new_tokens):
+        return prefill(model, context_ids, max_new_tokens)
+
+
+def generate_after_own_prefill(
+    model: PreTrainedModel,
+    prefilled: Prefill,
+    method: Method,
+    budget: float,
+    max_new_tokens: int,
+    eos_token_ids: set[int] | None = None,
+    question_ids: Tensor | None = None,
+) -> Generation:
+    """Feed the question and decode greedily on the cache `own_prefill` compressed, with the method's
+    decoding hooks active (no fork, no further compression by the cache)."""
+    with method.decoding_hooks(model, budget):
+        return generate_from(
+            model, prefilled, "full", 1.0, max_new_tokens, eos_token_ids=eos_token_ids, question_ids=question_ids
+        )
+
+
+def chat_prompt_ids(
+    tokenizer,
+    user_message: str,
+    question: str | None = None,
+    context_only: bool = False,
+    answer_prefix: str = "",
+    use_chat_template: bool = True,
+) -> tuple[list[int], list[int]]:
+    """Token ids of a prompt as (the part to prefill, the part fed after compression).
+
+    The chat template (when the tokenizer has one and `use_chat_template`) wraps `user_message` as
+    the user's turn and adds the assistant's generation prompt; `answer_prefix` follows. With
+    `context_only`, the text from the last occurrence of `question` on is the second part (the
+    context-only protocol); otherwise the second part is empty (the full-prompt protocol).
+    """
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+        )
+    else:
+        text = user_message
+    text += answer_prefix or ""
+    split = len(text)
+    if context_only and question:
+        found = text.rfind(question)
+        if found > 0:
+            split = found
+    head = tokenizer(text[:split], add_special_tokens=False)["input_ids"]
+    tail = tokenizer(text[split:], add_special_tokens=False)["input_ids"] if split < len(text) else []
+    return head, tail
+
+
+def warm_up(
+    model: PreTrainedModel, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 512
+) -> float:
+    """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
+    fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
+    is several times slower than the next ones). Returns the seconds it took. The runner does the
+    same per job (`warmup: true`)."""
+    from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
+
+    start = time.perf_counter()
+    built = [get_method(m) if isinstance(m, str) else m for m in methods]
+    device = next(model.parameters()).device
+    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10)[None]
+    shared = [m for m in built if not m.compresses_in_prefill]
+    prefilled = prefill(model, ids, 4, needs=needs_of(shared))
+    for method in built:
+        if method.compresses_in_prefill:
+            own = own_prefill(model, method, 0.5, ids, 4)
+            generate_after_own_prefill(model, own, method, 0.5, 4, eos_token_ids=set())
+        else:
+            generate_from(model, prefilled, method, 0.5, 4, eos_token_ids=set())
+    return time.perf_counter() - start

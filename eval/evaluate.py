@@ -18,7 +18,16 @@ import torch
 
 from centroidkv import get_method
 from centroidkv.budget import DEFAULT_BUDGET_UNIT
-from centroidkv.decoding import Generation, Prefill, default_eos, generate_from, needs_of, prefill
+from centroidkv.decoding import (
+    Generation,
+    Prefill,
+    default_eos,
+    generate_after_own_prefill,
+    generate_from,
+    needs_of,
+    own_prefill,
+    prefill,
+)
 from eval.benchmarks import Benchmark, Sample
 from eval.config import MethodSpec
 from eval.samples import encode_prompt, sample_id
@@ -87,20 +96,12 @@ class Evaluator:
         with its hooks (compression happens in that forward, so it is part of prefill_s), then feed
         the question and decode on the already compressed cache (no fork, no further compression)."""
         method = self.methods[spec]
-        # The budget's B is the same in both units: a press's cache stores keys and values only.
-        with method.prefill_hooks(self.model, spec.budget, len(head), max_new_tokens):
-            prefilled = prefill(self.model, self.ids(head), max_new_tokens)
+        prefilled = own_prefill(self.model, method, spec.budget, self.ids(head), max_new_tokens)
         reset_peak_memory(self.device)  # as for forks: the peak of decoding, not of the prefill
-        with method.decoding_hooks(self.model, spec.budget):
-            result = generate_from(
-                self.model,
-                prefilled,
-                "full",
-                1.0,
-                max_new_tokens,
-                eos_token_ids=eos,
-                question_ids=self.ids(tail) if tail else None,
-            )
+        question = self.ids(tail) if tail else None
+        result = generate_after_own_prefill(
+            self.model, prefilled, method, spec.budget, max_new_tokens, eos_token_ids=eos, question_ids=question
+        )
         return {**self.measurements(prefilled, result, eos), **method.run_fields()}
 
     def measurements(self, prefilled: Prefill, result: Generation, eos: set[int]) -> dict:

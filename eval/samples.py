@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from centroidkv.decoding import chat_prompt_ids
 from eval.benchmarks import Sample
 
 
@@ -22,19 +23,11 @@ def encode_prompt(sample: Sample, tokenizer, context_only: bool) -> tuple[list[i
     then the answer prefix follows. With `context_only` the question (and everything after it) is
     the second part, fed uncompressed after the context has been compressed.
     """
-    use_chat = sample.get("use_chat_template", True) and getattr(tokenizer, "chat_template", None)
-    if use_chat:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": sample["input"]}], add_generation_prompt=True, tokenize=False
-        )
-    else:
-        text = sample["input"]
-    text += sample.get("answer_prefix") or ""
-    split = len(text)
-    if context_only and sample.get("question"):
-        found = text.rfind(sample["question"])
-        if found > 0:
-            split = found
-    head = tokenizer(text[:split], add_special_tokens=False)["input_ids"]
-    tail = tokenizer(text[split:], add_special_tokens=False)["input_ids"] if split < len(text) else []
-    return head, tail
+    return chat_prompt_ids(
+        tokenizer,
+        sample["input"],
+        question=sample.get("question"),
+        context_only=context_only,
+        answer_prefix=sample.get("answer_prefix") or "",
+        use_chat_template=bool(sample.get("use_chat_template", True)),
+    )
