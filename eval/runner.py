@@ -87,7 +87,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     if store.finished:
         print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
         return None
-    from centroidkv import load_model, load_tokenizer
+    from centroidkv import get_method, load_model, load_tokenizer
     from centroidkv.models import HUB_MODELS
 
     if cfg.model.name in HUB_MODELS or cfg.benchmark.needs_hub:
@@ -98,10 +98,17 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
             tokenizer = load_tokenizer("smollm2-135m")
         samples = cfg.benchmark.samples(tokenizer)
+        for spec in cfg.methods:  # heads kept whole are resolved now: a file `auto` lacks is calibrated
+            get_method(spec.name, **spec.params).kept_whole(model)
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
         raise SetupError(
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         ) from None
+    resolved = cfg.identity()  # a head file calibrated just now is named with its content hash
+    if resolved != identity:
+        identity = resolved
+        store.check_identity(identity)
+    method_fields = cfg.method_fields()  # what every record names besides its parameters
     document = OmegaConf.to_container(OmegaConf.create(config_yaml)) or {}
     document["identity"] = identity
     store.prepare(
@@ -133,6 +140,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
             sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
         ):
             record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job)
+            record.update(method_fields.get(record.get("variant"), {}))
             store.append(record)
             logger.log_record(record)
             records.pop(record_key(record), None)  # a retried record moves to the end, as in the file
