@@ -236,7 +236,7 @@ def chat_prompt_ids(
 
 
 def warm_up(
-    model: PreTrainedModel, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 512
+    model: PreTrainedModel, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 256
 ) -> float:
     """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
     fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
