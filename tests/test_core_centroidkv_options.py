@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,26 @@ def test_the_shipped_calibration_matches_the_embedded_model():
     assert (data["model"], data["n_layers"], data["n_kv_heads"]) == ("smollm2-135m", 30, 3)
     assert len(data["outliers"]) == round(0.04 * 90)
     assert math.isclose(data["fraction"], 0.04)
+
+
+def test_settings_other_than_the_calibrated_ones_warn_once_in_one_line(tiny_model, tmp_path, capsys):
+    """The head file records the settings its heads were chosen with; a run with other settings is
+    told so once, in one line, and a run with the same settings is not."""
+    errors = [[0.0, 1.0]] * tiny_model.config.num_hidden_layers
+    path = Path(head_file(tmp_path, tiny_model, errors))
+    data = json.loads(path.read_text())
+    data["method"] = {
+        k: v for k, v in get_method("centroidkv").params().items() if not k.startswith("outlier")
+    }
+    path.write_text(json.dumps(data))
+
+    def run(**params) -> str:
+        method = get_method("centroidkv", outlier_heads=str(path), outlier_fraction=0.5, **params)
+        tiny_model(prompt(300), past_key_values=CompressedCache(method, 0.6, 0, budget_unit="entries"))
+        return capsys.readouterr().err
+
+    assert run() == ""
+    warned = run(chunk_size=32, schedule="linear")
+    assert warned.count("\n") == 1 and "warning" in warned
+    assert "chunk_size=32 (calibrated with 256)" in warned and "schedule='linear'" in warned
+    assert run(chunk_size=32, schedule="linear") == ""  # once per file and difference
