@@ -1,0 +1,149 @@
+"""An overview of a results folder: one line per job.
+
+    python -m eval.results [DIR] [--sync-hint]
+
+DIR (default `results`) is a results folder (`<DIR>/<experiment>/<job>/`), one experiment's folder,
+or one job's folder. Each job shows its experiment and job name, its methods (variants), the
+parameters that set what its numbers mean (model, benchmark, split, samples per task, budget unit),
+its budgets, how many records succeeded and failed, the mean score of those that succeeded, and
+whether it is done, running (with the lock holder) or stopped. `--sync-hint` also prints the
+`wandb sync` command of each offline W&B run found in a job folder (`<job>/wandb/offline-run-*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eval.records import CONFIG, DONE, LOCK, RECORDS, JobStore, _alive, _holder, scan_records
+
+COLUMNS = ("experiment", "job", "methods", "parameters", "budgets", "ok", "failed", "score", "status")
+
+
+@dataclass
+class JobSummary:
+    """What the lister shows of one job folder."""
+
+    experiment: str
+    job: str
+    methods: list[str]  # variants, in the order they first appear
+    parameters: dict[str, Any]  # model, benchmark, split, n_samples, budget_unit (those known)
+    budgets: list[float]
+    n_ok: int
+    n_failed: int
+    mean_score: float | None  # over the records that succeeded and have a score
+    status: str  # done | running (<holder>) | stopped
+    offline_runs: list[Path] = field(default_factory=list)  # <job>/wandb/offline-run-*
+
+
+def job_folders(root: Path) -> list[Path]:
+    """Job folders under `root` (a results folder, an experiment folder or a job folder): folders
+    holding a records file or a config, sorted."""
+    marks = (RECORDS, CONFIG)
+    if any((root / mark).is_file() for mark in marks):
+        return [root]
+    found = {path.parent for mark in marks for path in root.glob(f"*/{mark}")}
+    found |= {path.parent for mark in marks for path in root.glob(f"*/*/{mark}")}
+    return sorted(found)
+
+
+def job_status(job_dir: Path) -> str:
+    """done, running (with the lock holder) or stopped (neither: killed, or not started yet)."""
+    if (job_dir / DONE).is_file():
+        return "done"
+    try:
+        holder = (job_dir / LOCK).read_text(errors="replace").strip()
+    except OSError:
+        holder = ""
+    if holder and _alive(holder):
+        return f"running ({_holder(holder)})"
+    return "stopped"
+
+
+def summarize(job_dir: Path) -> JobSummary:
+    """The summary of one job folder, from its records and the identity in its config.yaml."""
+    records = scan_records(job_dir / RECORDS).records
+    identity = JobStore(job_dir).saved_identity() or {}
+    first = records[0] if records else {}
+    parameters = {
+        "model": identity.get("model.name", first.get("model")),
+        "benchmark": identity.get("benchmark.name", first.get("benchmark")),
+        "split": identity.get("benchmark.split", first.get("split")),
+        "n_samples": identity.get("benchmark.n_samples"),
+        "budget_unit": identity.get("budget_unit", first.get("budget_unit")),
+    }
+    ok = [r for r in records if r.get("status") == "ok"]
+    scores = [float(r["score"]) for r in ok if isinstance(r.get("score"), (int, float))]
+    methods = list(dict.fromkeys(str(r.get("variant") or r.get("method")) for r in records))
+    if not methods:  # no record yet: the variants named in the identity (methods.<variant>.method)
+        methods = list(dict.fromkeys(key.split(".")[1] for key in identity if key.startswith("methods.")))
+    return JobSummary(
+        experiment=job_dir.parent.name,
+        job=job_dir.name,
+        methods=methods,
+        parameters={key: value for key, value in parameters.items() if value is not None},
+        budgets=sorted({float(r["budget"]) for r in records if isinstance(r.get("budget"), (int, float))}),
+        n_ok=len(ok),
+        n_failed=sum(r.get("status") == "failed" for r in records),
+        mean_score=sum(scores) / len(scores) if scores else None,
+        status=job_status(job_dir),
+        offline_runs=sorted(path for path in (job_dir / "wandb").glob("offline-run-*") if path.is_dir()),
+    )
+
+
+def row(job: JobSummary, max_methods: int = 4) -> tuple[str, ...]:
+    """The job's cells, in the order of COLUMNS."""
+    shown = ",".join(job.methods[:max_methods])
+    if len(job.methods) > max_methods:
+        shown += f",+{len(job.methods) - max_methods}"
+    return (
+        job.experiment,
+        job.job,
+        shown or "-",
+        " ".join(f"{key}={value}" for key, value in job.parameters.items()) or "-",
+        ",".join(f"{b:g}" for b in job.budgets) or "-",
+        str(job.n_ok),
+        str(job.n_failed),
+        "-" if job.mean_score is None else f"{job.mean_score:.1f}",
+        job.status,
+    )
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    """Rows aligned in columns under a header."""
+    lines = [COLUMNS, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.results", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", nargs="?", default="results", help="a results, experiment or job folder")
+    parser.add_argument("--sync-hint", action="store_true", help="print `wandb sync` for offline W&B runs")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: {root} is not a folder", file=sys.stderr)
+        return 2
+    jobs = [summarize(job_dir) for job_dir in job_folders(root)]
+    if not jobs:
+        print(f"no jobs under {root}")
+        return 0
+    print(table([row(job) for job in jobs]))
+    if args.sync_hint:
+        runs = [run for job in jobs for run in job.offline_runs]
+        print()
+        if not runs:
+            print("no offline W&B runs to sync")
+        for run in runs:
+            print(f"wandb sync {run}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

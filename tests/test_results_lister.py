@@ -1,0 +1,87 @@
+"""`python -m eval.results`: one line per job folder, from records written in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+from eval.records import CONFIG, DONE, LOCK, RECORDS
+from eval.results import job_folders, main, summarize
+
+
+def record(variant: str, budget: float, status: str = "ok", score: float | None = 100.0) -> dict:
+    return {
+        "benchmark": "ruler",
+        "task": "niah_single_1",
+        "length": 4096,
+        "sample_id": f"niah_single_1-4096-{variant}-{budget}",
+        "method": variant.split("-")[0],
+        "variant": variant,
+        "params": {},
+        "budget": budget,
+        "status": status,
+        "score": score if status == "ok" else None,
+        "split": "dev",
+        "budget_unit": "bytes",
+        "model": "smollm2-135m",
+    }
+
+
+def write_job(job_dir: Path, records: list[dict], identity: dict | None = None) -> Path:
+    job_dir.mkdir(parents=True)
+    (job_dir / RECORDS).write_text("".join(json.dumps(r) + "\n" for r in records))
+    if identity is not None:
+        (job_dir / CONFIG).write_text("identity:\n" + "".join(f"  {k}: {v}\n" for k, v in identity.items()))
+    return job_dir
+
+
+def lock_text(pid: int) -> str:
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "since": "2026-01-01 00:00:00"})
+
+
+def test_lists_each_job_with_its_counts_scores_and_status(tmp_path, capsys):
+    done = write_job(
+        tmp_path / "exp_a" / "budget=0.25-abc123",
+        [record("full", 1.0), record("centroidkv", 0.25, score=50.0), record("snapkv", 0.25, "failed")],
+        identity={"model.name": "smollm2-135m", "benchmark.name": "ruler", "benchmark.n_samples": 4},
+    )
+    (done / DONE).write_text("{}\n")
+    (done / "wandb" / "offline-run-20260101_000000-abcd").mkdir(parents=True)
+    running = write_job(tmp_path / "exp_b" / "default", [record("centroidkv", 0.5)])
+    (running / LOCK).write_text(lock_text(os.getpid()))  # this process: alive
+    stopped = write_job(tmp_path / "exp_b" / "old", [record("h2o", 0.5, score=0.0)])
+    (stopped / LOCK).write_text(lock_text(2**22 + 12345))  # no such process: a dead run
+
+    assert job_folders(tmp_path) == [done, running, stopped]
+    summary = summarize(done)
+    assert (summary.n_ok, summary.n_failed, summary.mean_score) == (2, 1, 75.0)
+    assert summary.methods == ["full", "centroidkv", "snapkv"] and summary.budgets == [0.25, 1.0]
+    assert summary.parameters == {
+        "model": "smollm2-135m",
+        "benchmark": "ruler",
+        "split": "dev",
+        "n_samples": 4,
+        "budget_unit": "bytes",
+    }
+    assert summary.status == "done"
+    assert summarize(running).status.startswith(f"running (pid {os.getpid()} on host")
+    assert summarize(stopped).status == "stopped"
+
+    assert main([str(tmp_path), "--sync-hint"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["experiment", "job", "methods"]
+    by_job = {line.split()[1]: line for line in lines[1:4]}
+    assert by_job["budget=0.25-abc123"].split()[-5:] == ["0.25,1", "2", "1", "75.0", "done"]
+    assert "running (pid" in by_job["default"] and by_job["old"].endswith("stopped")
+    assert lines[-1] == f"wandb sync {done / 'wandb' / 'offline-run-20260101_000000-abcd'}"
+
+
+def test_one_job_folder_and_errors(tmp_path, capsys):
+    job = write_job(tmp_path / "exp" / "job", [record("full", 1.0)])
+    assert job_folders(job) == [job]
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert main([str(tmp_path / "exp"), "--sync-hint"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "no offline W&B runs to sync"
