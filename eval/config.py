@@ -149,10 +149,67 @@ class RunConfig:
         return max((get_method(m.name, **m.params).query_window for m in self.methods), default=0)
 
 
+# Job folder names: readable key=value pairs of the overrides, then a hash of the whole override string.
+JOB_HASH_CHARS = 6
+JOB_KEY_PREFIXES = ("method.params.", "benchmark.", "method.")  # dropped from keys where unambiguous
+JOB_VALUE_CHARS = 24  # longer values are cut (the hash still tells them apart)
+JOB_READABLE_CHARS = 80
+
+
+def split_overrides(override_dirname: str) -> list[str]:
+    """Hydra's override_dirname (`a=1,b=[x,y]`) split at its top-level commas into overrides."""
+    items, depth, quote, current = [], 0, "", ""
+    for char in override_dirname:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        current += char
+    return [item for item in [*items, current] if item]
+
+
+def _safe(text: str) -> str:
+    """Filesystem-safe: list brackets and quotes dropped, commas inside a value as +, the rest _."""
+    text = re.sub(r"[\[\]{}()'\"\s]", "", text).replace(",", "+")
+    return re.sub(r"[^A-Za-z0-9._@+-]", "_", text)
+
+
 def job_name_from_overrides(override_dirname: str) -> str:
-    """A directory name for a job: its Hydra overrides (`a=1,b=x`), or `default` when there are none."""
+    """A job's folder name: `default` without overrides; otherwise its overrides as short key=value
+    pairs plus a hash of the whole override string, e.g. `schedule=linear,budget=0.25-3f2a9c`.
+
+    Keys lose the `method.params.`, `benchmark.` and `method.` prefixes unless two keys would then
+    read the same; values are made filesystem-safe and cut at JOB_VALUE_CHARS, the pairs at
+    JOB_READABLE_CHARS. The hash covers the full string, so the name is unique and the same
+    overrides always give the same name; the full identity is in the folder's config.yaml.
+    """
+    overrides = split_overrides(override_dirname.strip())
+    if not overrides:
+        return "default"
+    pairs = [override.lstrip("+~").partition("=")[::2] for override in overrides]
+    shorts = []
+    for key, _ in pairs:
+        prefix = next((p for p in JOB_KEY_PREFIXES if key.startswith(p) and len(key) > len(p)), "")
+        shorts.append(key[len(prefix) :])
+    keys = [short if shorts.count(short) == 1 else key for short, (key, _) in zip(shorts, pairs)]
+    readable = ",".join(f"{_safe(key)}={_safe(value)[:JOB_VALUE_CHARS]}" for key, (_, value) in zip(keys, pairs))
+    readable = readable[:JOB_READABLE_CHARS].rstrip(",=.") or "job"
+    return f"{readable}-{hashlib.sha1(override_dirname.strip().encode()).hexdigest()[:JOB_HASH_CHARS]}"
+
+
+def former_job_name(override_dirname: str) -> str:
+    """The folder name the same overrides had before readable names (the override string itself,
+    cut with a hash past 150 characters): `build_run_config(..., former_job=)` resumes such a folder."""
     name = re.sub(r"[^A-Za-z0-9=,._@+-]", "_", override_dirname.strip())
-    if len(name) > 150:  # keep folder names short and still unique: a prefix plus a hash of the whole
+    if len(name) > 150:
         name = f"{name[:130]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
     return name or "default"
 
@@ -248,8 +305,11 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
-def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
-    """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig."""
+def build_run_config(cfg: DictConfig | dict, job: str = "default", former_job: str | None = None) -> RunConfig:
+    """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig.
+
+    `former_job`: the job's folder name before readable names (`former_job_name`); when only a folder
+    of that name exists, the job keeps it (its results stay where they are and the job resumes)."""
     from centroidkv import get_method
     from centroidkv.models import check_model_name
 
@@ -351,6 +411,9 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
+    former_dir = job_dir.parent / former_job if former_job else None
+    if former_dir is not None and not job_dir.exists() and former_dir.is_dir():
+        job, job_dir = former_job, former_dir
     return RunConfig(
         experiment=experiment,
         job=job,

@@ -21,6 +21,7 @@ from eval.config import (
     ConfigError,
     RunConfig,
     build_run_config,
+    former_job_name,
     job_name_from_overrides,
     store_configs,
 )
@@ -62,11 +63,13 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
             cfg = hydra.compose_config(
                 config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
             )
-            job = job_name_from_overrides(cfg.hydra.job.override_dirname)
+            dirname = cfg.hydra.job.override_dirname
             with open_dict(cfg):
                 del cfg["hydra"]  # its interpolations only resolve inside a running job
             try:
-                configs.append(build_run_config(cfg, job))
+                configs.append(
+                    build_run_config(cfg, job_name_from_overrides(dirname), former_job_name(dirname))
+                )
             except ConfigError as error:
                 where = (
                     f"job {index} ({','.join(o for o in overrides if o in swept)}): " if len(jobs) > 1 else ""

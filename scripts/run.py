@@ -25,16 +25,22 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from eval.config import ConfigError, build_run_config, job_name_from_overrides, store_configs  # noqa: E402
+from eval.config import (  # noqa: E402
+    ConfigError,
+    build_run_config,
+    former_job_name,
+    job_name_from_overrides,
+    store_configs,
+)
 
 store_configs()  # method=<name> and benchmark=<name> for every registered one, from their dataclasses
 
 
 @hydra.main(config_path=str(ROOT / "configs"), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    job = job_name_from_overrides(HydraConfig.get().job.override_dirname)
+    overrides = HydraConfig.get().job.override_dirname
     try:
-        run_cfg = build_run_config(cfg, job)
+        run_cfg = build_run_config(cfg, job_name_from_overrides(overrides), former_job_name(overrides))
     except ConfigError as error:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)
