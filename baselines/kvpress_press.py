@@ -13,9 +13,11 @@ How it runs:
 - Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
   is fed and the answer decoded on the compressed cache. Records of a press always say
   `protocol: context_only`.
-- Budget: a press keeps the entries every method of the harness keeps, B = int(R * (n + Gamma))
-  for an n-token context and Gamma = max_new_tokens: its `compression_ratio` is 1 - B / n (nudged
-  so that kvpress's int(n * (1 - ratio)) is exactly B), which is kvpress's 1 - R when Gamma = 0.
+- Budget: a press keeps B = int(R * (n + Gamma)) entries (`centroidkv.budget.budget_entries`) for an
+  n-token context and Gamma = max_new_tokens: its `compression_ratio` is 1 - B / n (nudged so that
+  kvpress's int(n * (1 - ratio)) is exactly B), which is kvpress's 1 - R when Gamma = 0. A press's
+  cache stores keys and values only, so B is the same under both budget units: in bytes too it stores
+  R times a full cache of n + Gamma tokens, as every native method of the run does.
   A press whose compression is not set by a compression ratio is refused (one line).
 - Decode-time compression: only through kvpress's `PrefillDecodingPress` (its prefill press takes
   the budget, its decoding press compresses every `compression_interval` steps to `target_size`).
@@ -44,6 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from centroidkv.budget import budget_entries
 from centroidkv.methods import LayerKV, LayerStats, Method, register
 
 EXTRA = 'kvpress is not installed: pip install -e ".[kvpress]"'
@@ -236,7 +239,7 @@ def _first_line(error: BaseException) -> str:
 
 def ratio_for(budget: float, context_len: int, max_new_tokens: int) -> float:
     """kvpress's compression ratio that keeps B = int(budget * (n + Gamma)) of n context tokens."""
-    kept = min(context_len, int(budget * (context_len + max_new_tokens)))
+    kept = min(context_len, budget_entries(budget, context_len, max_new_tokens))
     # kvpress keeps int(n * (1 - ratio)); aim half an entry above B so rounding cannot lose one.
     return max(0.0, 1.0 - (kept + 0.5) / context_len) if kept < context_len else 0.0
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, compressed_fraction
+from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, budget_entries, compressed_fraction
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -464,9 +464,10 @@ def _budget_errors(
             continue
         shortest = min(benchmark.lengths)
         protected = method.n_sink + method.n_recent + 1
-        if int(fraction * shortest) < protected:
+        kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
+        if kept < protected:
             errors.append(
-                f"budgets: {spec.label} keeps {int(fraction * shortest)} tokens of a {shortest}-token "
+                f"budgets: {spec.label} keeps {kept} tokens of a {shortest}-token "
                 f"{benchmark.name} sample (budget_unit={budget_unit}), fewer than its {protected} protected "
                 f"(n_sink {method.n_sink} + n_recent {method.n_recent} + 1); raise the budget or lower "
                 "n_sink/n_recent"
