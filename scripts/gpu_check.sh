@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# GPU check: everything a lent GPU (one H200, <= 8 minutes) can show about the paper's speed and memory
-# claims, written into one folder: summary.md (tables, beside the paper's figures), results.json, log.txt.
+# GPU check: the paper's speed and memory claims on any CUDA GPU with >= 40 GB (an 8B model in bf16
+# plus a 64k cache), in about 5-8 minutes on an H100/H200-class card, written into one new folder:
+# summary.md (tables, beside the paper's figures), results.json and log.txt.
 # What it runs: scripts/gpu_check.py (TPOT full vs CentroidKV 0.25 at 16k/32k/64k on random-llama3.1-8b
-# in bf16, peak GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn
-# vs the reference, the throughput table).
+# in bf16 (seeded random weights of the paper's shape: no Hub access or gated download needed), peak
+# GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn vs the
+# reference, the throughput table).
 #
-#   scripts/gpu_check.sh [OUTPUT_DIR]            # on the GPU machine (default OUTPUT_DIR: $OUT or gpu_check_out;
-#                                                # it must be new or empty: earlier results are never replaced)
+# Install: on a machine with internet, `make setup` (or `pip install -e .` beside a CUDA build of
+# torch; `pip install -e ".[gpu]"` adds flash-attn where a wheel matches your torch and CUDA).
+#
+#   scripts/gpu_check.sh [OUTPUT_DIR]            # default OUTPUT_DIR: $OUT or gpu_check_out; it must be
+#                                                # new or empty: earlier results are never replaced
 #   scripts/gpu_check.sh --dry-run [OUTPUT_DIR]  # the same code at tiny sizes on a CPU (tests run this)
 #
-# The GPU machine has no internet and its own PyTorch and transformers (2.11 / 5.17 when last seen); the
-# project is used from the working tree (PYTHONPATH), not installed. Packages it lacks travel as wheels:
-#   1. here, in the repository root, once:
+# Before anything runs, the script checks that every module the check imports is importable and exits
+# with code 2 and the list of what is missing (and how to bring it) otherwise.
+#
+# One case: a GPU machine without internet, with its own PyTorch and transformers. Use the project from
+# the working tree (PYTHONPATH, not installed) and bring what the machine lacks as wheels:
+#   1. on a machine with internet, in the repository root, once:
 #        echo /.whl/ >> .git/info/exclude
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #          -d .whl NAME==VERSION
 #      e.g. transformers==5.2.0 (pure Python) to run with the version this project pins instead of the
 #      machine's; flash-attn (the `gpu` extra) only where a wheel matches the machine's torch and CUDA.
-#   2. on the machine, carry `.whl` with the call; this script installs every .whl/*.whl into
+#   2. copy the repository with `.whl` to the GPU machine; this script installs every .whl/*.whl into
 #      /tmp/centroidkv-site (--no-index --no-deps) and puts it first on PYTHONPATH.
-# Before anything runs, the script checks that every module the check imports is importable and exits
-# with code 2 and the list of what is missing (and how to bring it) otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
