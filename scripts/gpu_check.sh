@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the paper's speed and memory claims on any CUDA GPU with >= 40 GB (an 8B model in bf16
-# plus a 64k cache), in about 5-8 minutes on an H100/H200-class card, written into one new folder:
-# summary.md (tables, beside the paper's figures), results.json and log.txt.
+# plus a 64k cache), written into one new folder: summary.md (tables, beside the paper's figures),
+# results.json and log.txt. Sized to finish within 8 minutes on one H200; it has not yet run on a GPU
+# (only its --dry-run has), so that is a plan, not a measurement.
 # What it runs: scripts/gpu_check.py (TPOT full vs CentroidKV 0.25 at 16k/32k/64k on random-llama3.1-8b
 # in bf16 (seeded random weights of the paper's shape: no Hub access or gated download needed), peak
 # GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn vs the
