@@ -7,7 +7,8 @@ The prompt goes through the model's chat template and is prefilled once, recordi
 method needs (`needs_of`); each method then compresses a fork of that prefill to the budget and
 decodes greedily (`centroidkv.decoding`). A method that compresses inside its own prefill (a kvpress
 press, `kvpress:<PressClass>`) gets a prefill of its own and always runs context-only. Each method
-prints one block: the answer, the KV ratio measured, the entries per layer and the times.
+prints one block: the answer, the KV ratio measured, the entries per layer and the times (after an
+untimed `warm_up`, so the first compression of the process is not counted several times slower).
 The same from Python: `generate(model, tokenizer, context, question, methods, budget)`.
 
 Every bad input (an unknown method, a missing file, a budget outside (0, 1]) is one line on stderr
@@ -35,6 +36,7 @@ from centroidkv.decoding import (
     needs_of,
     own_prefill,
     prefill,
+    warm_up,
 )
 from centroidkv.methods import Method, get_method
 from centroidkv.models import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
@@ -97,12 +99,15 @@ def generate(
     max_new_tokens: int = 64,
     protocol: str = "full_prompt",
     budget_unit: str = DEFAULT_BUDGET_UNIT,
+    warm: bool = True,
 ) -> list[Answer]:
     """Answer `question` about `context` with each of `methods` at `budget`, from one shared prefill.
 
     The user's turn is the context, a blank line and the question (just the context when the
     question is empty). `protocol`: "full_prompt" compresses the whole prompt, "context_only" only
     the context and feeds the question afterwards (kvpress's protocol; presses always use it).
+    `warm`: first run `warm_up` with the methods, so that a process's one-time costs (the first
+    compression is several times slower) stay out of the times.
     Raises ValueError (one line) for a bad method, budget, unit or protocol.
     """
     budget = check_budget(budget)
@@ -121,6 +126,8 @@ def generate(
     head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
     own_head, own_tail = chat_prompt_ids(tokenizer, message, question, context_only=True)
     eos = eos_ids(model, tokenizer)
+    if warm:
+        warm_up(model, [method for _, method in named])
     shared = [method for _, method in named if not method.compresses_in_prefill]
     prefilled = prefill(model, ids(head), max_new_tokens, needs=needs_of(shared)) if shared else None
     answers = []
