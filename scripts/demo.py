@@ -1,17 +1,30 @@
-"""Demo: CentroidKV vs the full cache on the embedded model, on needle-in-a-haystack prompts.
+"""Demo: CentroidKV beside an eviction baseline and the full cache, on two needle-in-a-haystack prompts.
 
-Prints each method's answer, whether it found the needle, its cache size and its TPOT.
+One RULER prompt with a noise haystack (niah_single_1: the needle stands out) and one with an essay
+haystack (niah_single_2: the needle is a sentence among sentences), test split, on the embedded model.
+Each prompt is prefilled once; every method compresses a fork of that prefill to the budget (R in
+bytes: everything a method stores is R times a full cache of prompt + new tokens) and decodes
+greedily. Per method: the answer, the KV cache right after compression (MiB, and its measured ratio to
+a full cache of the same tokens), the median decode step and, for a merging method, the mean and
+largest degree of its entries (how many tokens one entry stands for).
 
-    python scripts/demo.py                                # 4k tokens, budgets 0.5 and 0.25, 3 prompts
-    python scripts/demo.py --length 2048 --n 1 --budgets 0.25 --methods centroidkv streaming_llm
+    python scripts/demo.py                                   # 4k tokens, budget 0.25, 1 thread
+    python scripts/demo.py --length 2048 --budget 0.5 --methods centroidkv snapkv
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from tqdm import tqdm
+import torch
+
+PROMPTS = {"niah_single_1": "noise haystack", "niah_single_2": "essay haystack"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,63 +34,114 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
-    parser.add_argument("--n", type=int, default=3, help="number of prompts (needle depths spread 10-90 %%)")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
-    parser.add_argument("--methods", nargs="+", default=["centroidkv"])
+    parser.add_argument("--budget", type=float, default=0.25, help="R, in bytes of a full cache")
+    parser.add_argument(
+        "--methods", nargs="+", default=["centroidkv", "streaming_llm"], help="compared with the full cache"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="at most (RULER allows 128)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (on a shared CPU, 2 spinning threads can be 20x slower)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     known = method_names()
     problems = [f"unknown method {m!r} (known: {', '.join(known)})" for m in args.methods if m not in known]
-    problems += [f"budget {b} is not a fraction in (0, 1]" for b in args.budgets if not 0 < b <= 1]
+    if not 0 < args.budget <= 1:
+        problems.append(f"--budget {args.budget} is not a fraction in (0, 1]")
     if not 512 <= args.length <= 8192:
         problems.append(f"--length {args.length} must be within 512..8192 (the model's context is 8k)")
-    if args.n < 1:
-        problems.append("--n must be >= 1")
+    if args.max_new_tokens < 1 or args.threads < 1:
+        problems.append("--max-new-tokens and --threads must be >= 1")
     if problems:
         parser.exit(2, f"demo: error: {problems[0]}\n")
     return args
 
 
+@contextmanager
+def decode_step_times(model: torch.nn.Module) -> Iterator[list[float]]:
+    """Collects the seconds of every one-token forward of `model` inside the block: the decode steps."""
+    times: list[float] = []
+    started = 0.0
+
+    def before(module, args, kwargs) -> None:
+        nonlocal started
+        started = time.perf_counter()
+
+    def after(module, args, kwargs, output) -> None:
+        ids = args[0] if args else kwargs["input_ids"]
+        if ids.shape[-1] == 1:
+            times.append(time.perf_counter() - started)
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield times
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def degrees(cache) -> tuple[float, float]:
+    """Mean and largest degree over the entries of the compressed heads (heads kept whole excluded)."""
+    degree = torch.cat([layer.degrees_or_zeros().exp().flatten() for layer in cache.layers])
+    return degree.mean().item(), degree.max().item()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import generate_from, needs_of, prefill
+    from centroidkv.decoding import chat_prompt_ids, generate_from, needs_of, prefill, warm_up
     from eval.metrics import ruler_score
     from eval.ruler import generate_samples
 
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2-135m")
-    samples = generate_samples("niah_single_1", args.length, tokenizer, args.n, seed=args.seed)
-    runs = [("full", 1.0)] + [(m, b) for m in args.methods for b in args.budgets]
-    methods = {name: get_method(name) for name, _ in runs}
-    totals = {run: [] for run in runs}
-    for sample in tqdm(samples, desc="prompts", unit="prompt"):
-        messages = [{"role": "user", "content": sample["input"]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(
-            text + sample["answer_prefix"], add_special_tokens=False, return_tensors="pt"
-        ).input_ids
-        max_new = sample["max_new_tokens"]
-        prefilled = prefill(model, ids, max_new, needs=needs_of(methods.values()))
-        print(
-            f"\nprompt {sample['index']}: {ids.shape[1]} tokens, prefill {prefilled.seconds:.1f} s, "
-            f"needle answer {sample['answers']}"
+    methods = [get_method(name) for name in ["full", *args.methods]]
+    warm_up(model, methods)  # a process's first compression is several times slower than the next
+    print(
+        f"model loaded and warmed up in {time.perf_counter() - start:.0f} s; budget R = {args.budget:g} in bytes; "
+        f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print("single-machine timings are noisy: TPOT is the median of one run's decode steps")
+
+    for task, haystack in PROMPTS.items():
+        sample = generate_samples(task, args.length, tokenizer, 1, seed=args.seed, split="test")[0]
+        ids, _ = chat_prompt_ids(
+            tokenizer,
+            sample["input"],
+            answer_prefix=sample["answer_prefix"],
+            use_chat_template=sample["use_chat_template"],
         )
-        for name, budget in runs:
-            result = generate_from(model, prefilled, methods[name], budget, max_new)
+        ids = torch.tensor([ids])
+        max_new = min(sample["max_new_tokens"], args.max_new_tokens)
+        prefilled = prefill(model, ids, max_new, needs=needs_of(methods))
+        print(
+            f"\n{task} ({haystack}): {ids.shape[1]} tokens, needle {sample['answers'][0]!r}, "
+            f"prefill {prefilled.seconds:.1f} s"
+        )
+        for method in methods:
+            budget = 1.0 if method.name == "full" else args.budget
+            with decode_step_times(model) as steps:
+                result = generate_from(model, prefilled, method, budget, max_new)
             answer = tokenizer.decode(result.tokens[0], skip_special_tokens=True).strip()
-            score = ruler_score(sample["task"], answer, sample["answers"])
-            totals[(name, budget)].append((score, result))
-            print(
-                f"  {name:>12} @ {budget:<4g} {'found' if score == 100 else 'MISSED':>6}  "
-                f"KV {result.kv_bytes / 2**20:6.1f} MiB ({result.seq_lengths[0]} entries/layer)  "
-                f"TPOT {result.tpot_s * 1e3:5.0f} ms  answer: {answer[:60]!r}"
+            found = ruler_score(sample["task"], answer, sample["answers"]) == 100
+            tpot = statistics.median(steps[1:] or steps) * 1e3 if steps else float("nan")
+            line = (
+                f"  {method.label:<12} {'found ' if found else 'MISSED'}  "
+                f"KV {result.kv_bytes_compressed / 2**20:5.1f} MiB (ratio {result.kv_ratio:.3f})  "
+                f"TPOT {tpot:4.0f} ms over {len(steps)} steps"
             )
-    print("\nsummary")
-    for (name, budget), rows in totals.items():
-        accuracy = sum(s for s, _ in rows) / len(rows)
-        kv = sum(r.kv_bytes for _, r in rows) / len(rows) / 2**20
-        tpot = sum(r.tpot_s for _, r in rows) / len(rows) * 1e3
-        print(f"  {name:>12} @ {budget:<4g} accuracy {accuracy:5.1f}  KV {kv:6.1f} MiB  TPOT {tpot:5.0f} ms")
+            if method.merges:  # the same compression generate_from ran, to look at its degrees
+                mean, largest = degrees(prefilled.cache.fork(method, budget, max_new))
+                line += f"  degree mean {mean:.1f}, max {largest:.0f}"
+            print(f"{line}\n    answer: {answer[:70]!r}")
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 
 

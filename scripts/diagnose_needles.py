@@ -15,7 +15,7 @@ one shared prefill per prompt, then per (configuration, budget):
 
     python scripts/diagnose_needles.py --samples 8 --best "similarity=pre_rope,schedule=adaptive"
 
-Prints Markdown tables (the README's diagnostic summarises them).
+Prints Markdown tables (docs/results.md, "Why the essay haystack failed", summarises them).
 """
 
 from __future__ import annotations
