@@ -438,6 +438,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             n_tasks = part["task"].nunique()
             caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
             tables[f"{bench}_summary"] = (caption, summary, 1)
+        if budgets:  # how stable the order is, at every budget (a single-budget ablation included)
             caption = (
                 f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
                 f"{models}, context {lengths} tokens"

@@ -246,3 +246,23 @@ def test_a_symlinked_destination_is_refused(tmp_path, capsys):
     assert tables.main([str(tmp_path / "exp"), "--out", str(out)]) == 2
     assert "is a symbolic link" in capsys.readouterr().err
     assert target.read_text() == "keep me" and (out / "ruler_budget0.5.md").is_symlink()
+
+
+def test_a_single_budget_still_gets_its_ranking_table(tmp_path):
+    """An ablation runs one budget: how stable its order is matters as much as with several."""
+    import pandas as pd
+
+    from scripts.tables import make_tables
+
+    rows = []
+    for variant, scores in (("a", [100.0, 0.0, 100.0]), ("b", [0.0, 0.0, 100.0])):
+        for index, score in enumerate(scores):
+            rows.append(
+                dict(benchmark="ruler", task="niah_single_1", sample_id=f"s{index}", method="centroidkv",
+                     variant=variant, label=variant, budget=0.25, score=score, ok=True, model="m",
+                     length=4096, tpot=None, params_json="{}", method_rank=0, label_rank=0)
+            )  # fmt: skip
+    tables = make_tables(pd.DataFrame(rows))
+    assert "ruler_ranking" in tables and "ruler_summary" not in tables
+    ranking = tables["ruler_ranking"][1]
+    assert list(ranking["Method"]) == ["a", "b"]
