@@ -39,6 +39,7 @@ Parameters:
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import typing
 from collections.abc import Iterator
@@ -273,6 +274,13 @@ class KVPress(Method):
     def label_for(cls, params: dict[str, Any]) -> str:
         press = params.get("press") or cls.__dataclass_fields__["press"].default
         return f"{short_name(press, dict(params.get('press_params') or {}))} (kvpress)"
+
+    @classmethod
+    def variant_for(cls, params: dict[str, Any]) -> str:
+        """kvpress-<press>, e.g. kvpress-TOVA, kvpress-AdaKV-SnapKV: one job can hold many presses."""
+        press = params.get("press") or cls.__dataclass_fields__["press"].default
+        name = short_name(press, dict(params.get("press_params") or {}))
+        return re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"kvpress-{name}").strip("-")
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         raise RuntimeError(

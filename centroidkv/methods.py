@@ -42,6 +42,7 @@ __all__ = [
     "method_class",
     "method_label",
     "method_names",
+    "method_variant",
     "register",
 ]
 
@@ -88,6 +89,12 @@ class Method:
     def label_for(cls, params: dict[str, Any]) -> str:
         """The display label of a run with these parameters (a wrapper method may name what it wraps)."""
         return cls.label or cls.name
+
+    @classmethod
+    def variant_for(cls, params: dict[str, Any]) -> str:
+        """The variant name of a run that names none (a wrapper method names what it wraps, so that a
+        job can hold several of it); a run under this name is shown by `label_for`."""
+        return cls.name
 
     def needs(self) -> tuple[Need, ...]:
         """What the cache must record for this method (`centroidkv.needs`): none by default."""
@@ -257,6 +264,15 @@ def method_label(name: str, params: dict[str, Any] | None = None) -> str:
     except ValueError:  # records of a method that is no longer installed keep their name
         return name
     return cls.label_for(dict(params or {}))
+
+
+def method_variant(name: str, params: dict[str, Any] | None = None) -> str:
+    """The default variant name of a method run (its class's `variant_for`); the name when unregistered."""
+    try:
+        cls = method_class(name)
+    except ValueError:
+        return name
+    return cls.variant_for(dict(params or {}))
 
 
 def get_method(name: str, **params) -> Method:

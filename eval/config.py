@@ -200,7 +200,9 @@ def job_name_from_overrides(override_dirname: str) -> str:
         prefix = next((p for p in JOB_KEY_PREFIXES if key.startswith(p) and len(key) > len(p)), "")
         shorts.append(key[len(prefix) :])
     keys = [short if shorts.count(short) == 1 else key for short, (key, _) in zip(shorts, pairs)]
-    readable = ",".join(f"{_safe(key)}={_safe(value)[:JOB_VALUE_CHARS]}" for key, (_, value) in zip(keys, pairs))
+    readable = ",".join(
+        f"{_safe(key)}={_safe(value)[:JOB_VALUE_CHARS]}" for key, (_, value) in zip(keys, pairs)
+    )
     readable = readable[:JOB_READABLE_CHARS].rstrip(",=.") or "job"
     return f"{readable}-{hashlib.sha1(override_dirname.strip().encode()).hexdigest()[:JOB_HASH_CHARS]}"
 
@@ -268,13 +270,15 @@ def _method_entry(
                 f"{', '.join(METHOD_ENTRY_KEYS)}"
             )
             return None
-        name, variant, own = entry.get("name"), entry.get("variant") or entry.get("name"), entry.get("params")
+        name, variant, own = entry.get("name"), entry.get("variant"), entry.get("params")
     else:
-        name, variant, own = entry, entry, None
+        name, variant, own = entry, None, None
     if name not in method_names():
         errors.append(f"methods: unknown method {name!r}; registered: {', '.join(method_names())}")
         return None
-    if not isinstance(variant, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", variant):
+    if variant is not None and (
+        not isinstance(variant, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", variant)
+    ):
         errors.append(f"methods: variant must be a plain name (letters, digits, _ . + -), got {variant!r}")
         return None
     if own is not None and not isinstance(own, dict):
@@ -305,7 +309,9 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
-def build_run_config(cfg: DictConfig | dict, job: str = "default", former_job: str | None = None) -> RunConfig:
+def build_run_config(
+    cfg: DictConfig | dict, job: str = "default", former_job: str | None = None
+) -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig.
 
     `former_job`: the job's folder name before readable names (`former_job_name`); when only a folder
@@ -358,19 +364,20 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default", former_job: s
         if parsed is None:
             continue
         name, variant, params = parsed
+        try:
+            method = get_method(name, **params)
+            method.check_model(str(model_name))
+        except (ValueError, TypeError) as error:
+            errors.append(f"method {variant or name}: {str(error).splitlines()[0]}")
+            continue
+        params = method.params()  # the full effective parameters, defaults included
+        variant = variant or type(method).variant_for(params)  # e.g. kvpress-TOVA for a press
         if variant in variants:
             errors.append(
                 f"methods: {variant!r} appears twice; give each entry of one method its own `variant`"
             )
             continue
         variants.append(variant)
-        try:
-            method = get_method(name, **params)
-            method.check_model(str(model_name))
-        except (ValueError, TypeError) as error:
-            errors.append(f"method {variant}: {str(error).splitlines()[0]}")
-            continue
-        params = method.params()  # the full effective parameters, defaults included
         if not method.compresses:  # the full cache is one reference run, whatever the budgets
             specs.append(MethodSpec(name, 1.0, params, variant))
             continue

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from centroidkv.methods import method_label  # noqa: E402
+from centroidkv.methods import method_label, method_variant  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 
 TASK_NAMES = {
@@ -159,9 +159,18 @@ def load(paths: list[Path]) -> pd.DataFrame:
     df["params"] = df["params"].map(lambda p: p if isinstance(p, dict) else {})
     df["params_json"] = df["params"].map(lambda p: json.dumps(p, sort_keys=True))
     variant = df["variant"] if "variant" in df else pd.Series(None, index=df.index, dtype=object)
-    # The runner names every record's variant; one named like its method is the method itself.
+    # The runner names every record's variant; one named as its method names an unnamed run (the method
+    # itself, or e.g. kvpress-TOVA for a press) is shown by the method's label ("TOVA (kvpress)").
+    variants_of = {
+        (m, j): method_variant(m, p)
+        for m, j, p in zip(df["method"], df["params_json"], df["params"], strict=True)
+    }  # one look-up per distinct run, not per record
+    default_variant = [variants_of[m, j] for m, j in zip(df["method"], df["params_json"], strict=True)]
     has_variant = (
-        variant.notna() & (variant.astype(str) != "") & (variant.astype(str) != df["method"].astype(str))
+        variant.notna()
+        & (variant.astype(str) != "")
+        & (variant.astype(str) != df["method"].astype(str))
+        & (variant.astype(str) != pd.Series(default_variant, index=df.index))
     )
     df["entry"] = variant.where(has_variant, df["method"]).astype(str)
     df["label"] = [

@@ -266,3 +266,27 @@ def test_a_single_budget_still_gets_its_ranking_table(tmp_path):
     assert "ruler_ranking" in tables and "ruler_summary" not in tables
     ranking = tables["ruler_ranking"][1]
     assert list(ranking["Method"]) == ["a", "b"]
+
+
+def test_a_press_under_its_default_variant_name_shows_its_label(tmp_path):
+    """`{name: kvpress, params: {press: TOVAPress}}` runs as variant kvpress-TOVA (so a job can hold
+    many presses) and is shown by the method's label, as everywhere else: "TOVA (kvpress)"."""
+    from centroidkv.methods import method_label, method_variant
+
+    pytest.importorskip("kvpress")
+    params = {"press": "TOVAPress", "press_params": {}}
+    assert method_variant("kvpress", params) == "kvpress-TOVA"
+    nested = {"press": "AdaKVPress", "press_params": {"press": "SnapKVPress"}}
+    assert method_variant("kvpress", nested) == "kvpress-AdaKV-SnapKV"
+    job = tmp_path / "exp" / "job"
+    job.mkdir(parents=True)
+    base = dict(
+        benchmark="ruler", task="niah_single_1", sample_id="s0", budget=0.25, status="ok", score=100.0
+    )
+    records = [
+        {**base, "method": "kvpress", "variant": "kvpress-TOVA", "params": params},
+        {**base, "method": "kvpress", "variant": "my-tova", "params": params},
+    ]
+    (job / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    labels = set(tables.load([tmp_path])["label"])
+    assert labels == {method_label("kvpress", params), "my-tova"} and "TOVA (kvpress)" in labels
