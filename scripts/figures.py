@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -373,12 +374,15 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             if numeric:
                 x_of = {label: float(v[0]) for label, v in values.items()}
             else:
-                ticks = [
-                    ", ".join(
-                        f"{names[k]}={format_value(v)}" for k, v in zip(keys, values[label], strict=True)
-                    )
-                    for label in labels
-                ]
+                if len(keys) > 2:  # a design over many factors: its configurations' own names are readable
+                    ticks = labels
+                else:
+                    ticks = [
+                        ", ".join(
+                            f"{names[k]}={format_value(v)}" for k, v in zip(keys, values[label], strict=True)
+                        )
+                        for label in labels
+                    ]
                 x_of = {label: float(i) for i, label in enumerate(labels)}
                 ax.set_xticks(range(len(labels)))
                 ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=8)
@@ -394,12 +398,13 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
                 )
             for i, (label, score) in enumerate(full.items()):
                 ax.axhline(score, label=label, **_full_style(i))
-            ax.set_xlabel(", ".join(names[k] for k in keys))
+            ax.set_xlabel(textwrap.fill("varies: " + ", ".join(names[k] for k in keys), 70), fontsize=8)
             ax.set_ylabel("Average score (0-100)")
             ax.set_ylim(-3, 103)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-            ax.set_title(f"{method_label(method)}: score vs {', '.join(names[k] for k in keys)}", fontsize=10)
+            swept = ", ".join(names[k] for k in keys) if len(keys) <= 2 else "configuration"
+            ax.set_title(f"{method_label(method)}: score vs {swept}", fontsize=10)
         fig.suptitle(f"{benchmark} — {_subtitle(part)}", fontsize=10)
         fig.tight_layout()
         paths += _save(fig, out, f"{prefix}{benchmark}_score_vs_param")
