@@ -317,6 +317,7 @@ def test_torn_and_duplicate_lines_are_cleaned(tmp_path):
         "method": "full",
         "params": {},
         "budget": 1.0,
+        "status": "ok",  # a line without the fields of a record is dropped as a bad line
         "score": 1,
     }
     b = {**a, "sample_id": "1"}

@@ -220,7 +220,8 @@ def test_h2o_scores_coincide_with_observed_attention_up_to_normalisation(request
 
     recorder = CompressedCache("full", 1.0, 0, needs=[ATTENTION_SUM])
     model.model(input_ids=context, past_key_values=recorder)
-    h2o = CompressedCache(get_method("h2o", n_sink=0, n_recent=0, recent_ratio=0.0), 1 - RATIO, 0)
+    h2o_method = get_method("h2o", n_sink=0, n_recent=0, recent_ratio=0.0)
+    h2o = CompressedCache(h2o_method, 1 - RATIO, 0, budget_unit="entries")  # kvpress counts entries
     model.model(input_ids=context, past_key_values=h2o)
 
     group = model.config.num_attention_heads // model.config.num_key_value_heads
