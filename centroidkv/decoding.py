@@ -199,7 +199,13 @@ def generate_after_own_prefill(
     decoding hooks active (no fork, no further compression by the cache)."""
     with method.decoding_hooks(model, budget):
         return generate_from(
-            model, prefilled, "full", 1.0, max_new_tokens, eos_token_ids=eos_token_ids, question_ids=question_ids
+            model,
+            prefilled,
+            "full",
+            1.0,
+            max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            question_ids=question_ids,
         )
 
 

@@ -100,7 +100,13 @@ class Evaluator:
         reset_peak_memory(self.device)  # as for forks: the peak of decoding, not of the prefill
         question = self.ids(tail) if tail else None
         result = generate_after_own_prefill(
-            self.model, prefilled, method, spec.budget, max_new_tokens, eos_token_ids=eos, question_ids=question
+            self.model,
+            prefilled,
+            method,
+            spec.budget,
+            max_new_tokens,
+            eos_token_ids=eos,
+            question_ids=question,
         )
         return {**self.measurements(prefilled, result, eos), **method.run_fields()}
 
