@@ -281,7 +281,7 @@ def _head_errors(model, prompts: list[Tensor], budget: float, method, n_queries:
 
 def essay_prompts(tokenizer, n_prompts: int, n_tokens: int) -> list[Tensor]:
     """`n_prompts` consecutive, non-overlapping windows of `n_tokens` tokens of the essays."""
-    from eval.ruler.haystack import essay_text
+    from eval.text import essay_text
 
     ids = tokenizer(essay_text(n_prompts * n_tokens, split="dev"), return_tensors="pt").input_ids
     if ids.shape[1] < n_prompts * n_tokens:

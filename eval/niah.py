@@ -20,7 +20,8 @@ from eval.common import Tokenizer, count_tokens, largest_fitting, resolve_tokeni
 from eval.metrics import ruler_score
 from eval.ruler import haystack as hs
 from eval.ruler.constants import NEEDLE, max_new_tokens
-from eval.ruler.tasks import MIN_LENGTH, Built, _insert_at_depths, render
+from eval.ruler.tasks import MIN_LENGTH, Built, render
+from eval.text import essay_text, insert_at_depths, split_sentences
 
 DEFAULT_DEPTHS: tuple[float, ...] = tuple(float(d) for d in range(0, 101, 10))
 MAX_NEW_TOKENS = max_new_tokens("niah_single_2")
@@ -32,8 +33,8 @@ def _builder(seed: str, depth: float, split: str):
     needle = NEEDLE.format(type_needle_v="numbers", key=key, value=value)
 
     def build(size: int) -> Built:
-        sentences = hs.split_sentences(hs.essay_text(size, split))
-        text = " ".join(_insert_at_depths(sentences, [needle], [depth]))
+        sentences = split_sentences(essay_text(size, split))
+        text = " ".join(insert_at_depths(sentences, [needle], [depth]))
         return Built(
             text, key, [value], fields={"type_needle_v": "number"}, single=True, extra={"needle": needle}
         )

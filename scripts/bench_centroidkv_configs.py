@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import needs_of, prefill  # noqa: E402
-from eval.ruler.haystack import essay_text  # noqa: E402
+from eval.text import essay_text  # noqa: E402
 
 CONFIGS = {
     "post-none-c256-const (old default)": {},

@@ -14,7 +14,7 @@ import torch
 from centroidkv import CompressedCache, get_method, method_names
 from centroidkv.decoding import needs_of, prefill
 from eval.config import ConfigError, build_run_config
-from eval.ruler.haystack import essay_text
+from eval.text import essay_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

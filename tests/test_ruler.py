@@ -16,8 +16,8 @@ import pytest
 from eval.common import count_tokens, largest_fitting, read_jsonl, write_jsonl
 from eval.ruler import OFFLINE_TASKS, TASKS, generate_samples, max_new_tokens
 from eval.ruler.__main__ import main as cli_main
-from eval.ruler.constants import DEPTHS, NOISE
-from eval.ruler.haystack import split_sentences
+from eval.ruler.constants import DEPTHS
+from eval.text import NOISE, split_sentences
 
 LENGTHS = (4096, 8192)
 N = 2

@@ -17,6 +17,7 @@ from eval.benchmarks.toy import WORDS, Toy
 from eval.niah import generate_niah
 from eval.ruler import OFFLINE_TASKS, TASKS, generate_samples
 from eval.ruler import haystack as hs
+from eval.text import essay_files, essay_words, split_sentences
 
 LENGTH = 1024
 N = 2
@@ -119,11 +120,11 @@ def test_ruler_dev_and_test_samples_differ(task, generated):
 def _longest_essay_sentence(sample: dict) -> str:
     """The longest haystack sentence of an essay-haystack sample (needles left out): unique to its essay."""
     body = sample["context"][sample["context"].index("afterwards.\n") + len("afterwards.\n") :]
-    return max((u for u in hs.split_sentences(body) if not _NEEDLE.search(u)), key=len)
+    return max((u for u in split_sentences(body) if not _NEEDLE.search(u)), key=len)
 
 
 def test_ruler_essay_haystacks_come_from_their_split_s_essays(generated):
-    text = {split: " ".join(hs.essay_words(split)) for split in SPLITS}
+    text = {split: " ".join(essay_words(split)) for split in SPLITS}
     essay_tasks = [t for t in OFFLINE_TASKS if TASKS[t].get("type_haystack") == "essay"]
     for split, other in (SPLITS, SPLITS[::-1]):
         for task in essay_tasks:
@@ -168,17 +169,17 @@ def test_value_spaces_are_partitioned_between_the_splits():
 
 
 def test_essay_halves_are_disjoint_and_cover_every_essay():
-    dev, test, every = hs.essay_files("dev"), hs.essay_files("test"), hs.essay_files()
+    dev, test, every = essay_files("dev"), essay_files("test"), essay_files()
     assert len(every) >= 48
     assert set(dev).isdisjoint(test) and sorted(dev + test) == sorted(every)
     assert abs(len(dev) - len(test)) <= 1
-    assert " ".join(hs.essay_words("dev"))[:500] not in " ".join(hs.essay_words("test"))
+    assert " ".join(essay_words("dev"))[:500] not in " ".join(essay_words("test"))
 
 
 def test_calibration_prompts_come_from_the_dev_essays_only(tok):
     from centroidkv.calibrate import essay_prompts
 
-    text = {split: " ".join(hs.essay_words(split)) for split in SPLITS}
+    text = {split: " ".join(essay_words(split)) for split in SPLITS}
     prompts = essay_prompts(tok, 3, 256)
     for window in prompts:
         decoded = tok.decode(window[0, 8:-8]).strip()  # the window's ends may cut a word
@@ -195,7 +196,7 @@ def test_niah_splits_share_no_needle_key_value_or_essay(generated):
     assert len(dev_keys) == len(dev) == 3 and len(test_values) == 3
     assert dev_keys.isdisjoint(test_keys) and dev_values.isdisjoint(test_values)
     assert {int(v) % 2 for v in dev_values} == {0} and {int(v) % 2 for v in test_values} == {1}
-    text = {split: " ".join(hs.essay_words(split)) for split in SPLITS}
+    text = {split: " ".join(essay_words(split)) for split in SPLITS}
     for split, other in (SPLITS, SPLITS[::-1]):
         for sample in generated[split]["niah"]:
             sentence = _longest_essay_sentence(sample)

