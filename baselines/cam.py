@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from baselines.h2o import H2O
-from centroidkv.methods import LayerKV, LayerStats, _check_int, register
+from centroidkv.methods import LayerKV, LayerStats, check_int, register
 
 
 @register
@@ -51,8 +51,8 @@ class CaM(H2O):
 
     def validate(self) -> None:
         super().validate()
-        _check_int(self, "merge_budget", minimum=1)
-        _check_int(self, "seed", minimum=0)
+        check_int(self, "merge_budget", minimum=1)
+        check_int(self, "seed", minimum=0)
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         batch, heads, length = kv.log_degree.shape

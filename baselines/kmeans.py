@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from centroidkv.methods import LayerKV, LayerStats, Method, _check_int, register
+from centroidkv.methods import LayerKV, LayerStats, Method, check_int, register
 from centroidkv.needs import pool_extras
 
 INITS = ("uniform", "random")
@@ -174,8 +174,8 @@ class KMeans(Method):
 
     def validate(self) -> None:
         super().validate()
-        _check_int(self, "iterations", minimum=1)
-        _check_int(self, "seed", minimum=0)
+        check_int(self, "iterations", minimum=1)
+        check_int(self, "seed", minimum=0)
         if self.init not in INITS:
             raise ValueError(f"{self.name}: init must be one of {', '.join(INITS)}, got {self.init!r}")
         for flag in ("cosine", "stop_at_fixed_point"):

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from baselines._select import top_k_in_order
 from centroidkv.cache import causal_allowed
-from centroidkv.methods import LayerKV, LayerStats, Method, Need, _check_int, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_int, register
 from centroidkv.needs import query_window
 
 POOLINGS = ("avgpool", "maxpool")
@@ -91,8 +91,8 @@ class SnapKV(Method):
 
     def validate(self) -> None:
         super().validate()
-        _check_int(self, "window_size", minimum=1)
-        _check_int(self, "kernel_size", minimum=1)
+        check_int(self, "window_size", minimum=1)
+        check_int(self, "kernel_size", minimum=1)
         if self.kernel_size % 2 == 0:
             raise ValueError(
                 f"{self.name}: kernel_size must be odd (same-length pooling), got {self.kernel_size}"

@@ -1,7 +1,8 @@
 """CentroidKV: KV cache clustering with Chunked Soft Matching, and the cache it runs in.
 
 The public names below are imported on first use (module `__getattr__`), so that importing a light
-submodule (e.g. `python -m centroidkv.calibrate --help`) does not pay for torch and transformers.
+submodule (e.g. `centroidkv.calibrate` for `python -m eval.calibrate --help`) does not pay for torch
+and transformers.
 `from centroidkv import CompressedCache, get_method, load_model` works as with eager imports.
 """
 

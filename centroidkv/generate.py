@@ -38,6 +38,7 @@ from centroidkv.decoding import (
     prefill,
     warm_up,
 )
+from centroidkv.errors import first_line
 from centroidkv.methods import Method, get_method
 from centroidkv.models import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
 
@@ -108,7 +109,8 @@ def generate(
     the context and feeds the question afterwards (kvpress's protocol; presses always use it).
     `warm`: first run `warm_up` with the methods, so that a process's one-time costs (the first
     compression is several times slower) stay out of the times.
-    Raises ValueError (one line) for a bad method, budget, unit or protocol.
+    Raises ValueError (one line) for a bad method, budget, unit or protocol, or for CentroidKV's
+    `outlier_heads=auto` on a model not calibrated yet (`python -m eval.calibrate`).
     """
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
@@ -126,6 +128,8 @@ def generate(
     head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
     own_head, own_tail = chat_prompt_ids(tokenizer, message, question, context_only=True)
     eos = eos_ids(model, tokenizer)
+    for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
+        method.kept_whole(model)
     if warm:
         warm_up(model, [method for _, method in named])
     shared = [method for _, method in named if not method.compresses_in_prefill]
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_unit=args.budget_unit,
         )
     except ValueError as error:  # e.g. a budget too small for the method's protected tokens
-        print(f"error: {str(error).splitlines()[0]}", file=sys.stderr)
+        print(f"error: {first_line(error)}", file=sys.stderr)
         return 2
     for answer in answers:
         if args.json:

@@ -18,8 +18,9 @@ of the ablation on the embedded model, `make ablate`, docs/results.md "Choosing 
     undone at each entry's degree-weighted mean position, recorded as the "position" need and counted
     in kv_bytes). Merging always averages the cached (post-RoPE) keys and the values.
   outlier_heads: "none", "auto" (the calibrated list of the model the cache runs on: the user cache
-    dir, else the list shipped in the package, else calibrated on first use) or a path to a JSON
-    written by `python -m centroidkv.calibrate`. Outlier KV heads keep every token, on top of the
+    dir, else the list shipped in the package; a model with neither is refused with one line naming
+    `python -m eval.calibrate`, which the harness's runner runs itself when the model loads) or a
+    path to a JSON written by `python -m eval.calibrate`. Outlier KV heads keep every token, on top of the
     budget (as in the paper); the other heads are compressed to the budget.
   outlier_fraction: the worst fraction of (layer, KV head) pairs, by calibration error, kept whole.
   n_sink, n_recent: protected first / last tokens (paper: 16 / 64).
@@ -130,7 +131,7 @@ class CentroidKV(Method):
 
     def head_file(self, model_name: str) -> Path | None:
         """The head file this configuration reads on `model_name`: its path, or for `auto` the user's
-        calibration, else the package's, else the user's file that calibration will write; None when
+        calibration, else the package's, else the user's file that calibration would write; None when
         no head is kept whole (none, a fraction of 0, or one that rounds to no head of the model)."""
         if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
             return None
@@ -150,7 +151,7 @@ class CentroidKV(Method):
 
         explicit = str(self.outlier_heads) not in ("none", "auto")
         path = Path(self.outlier_heads) if explicit else self.head_file(model_name)
-        if path is not None and (explicit or path.is_file()):  # auto without a file: calibrated later
+        if path is not None and (explicit or path.is_file()):  # auto without a file: calibrated on load
             check_head_file(path, read_head_file(path), model_name, _model_shape(model_name))
 
     def identity_fields(self, model_name: str) -> dict[str, Any]:
@@ -165,7 +166,7 @@ class CentroidKV(Method):
 
     def kept_whole_fraction(self, model_name: str) -> float:
         """The fraction of KV heads kept whole on `model_name`, from its head file (0 when none is
-        kept, or when `auto` has no file yet and will calibrate when the model loads)."""
+        kept, or when `auto` has no file yet: the runner calibrates it when the model loads)."""
         path = self.head_file(model_name)
         if path is None or not path.is_file():
             return 0.0
@@ -176,6 +177,7 @@ class CentroidKV(Method):
         return kept / (data["n_layers"] * data["n_kv_heads"])
 
     def kept_whole(self, model) -> dict[int, list[int]]:
+        """The outlier heads of `model` from its head file; never calibrates (`CalibrationMissing`)."""
         if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
             return {}
         from centroidkv.calibrate import outlier_heads_for

@@ -4,12 +4,13 @@ A method sees one layer's *mergeable segment* (the cache without its protected s
 window) and shrinks it to `target_len` tokens. The cache decides when to call it and what the budget
 is; methods only decide which tokens survive (eviction) or how they combine (merging).
 
-Methods are found, not listed: every module of the built-in method packages (`centroidkv.method`
-and each module of the `baselines` folder) is imported on the first look-up, and so is every object
-that an installed distribution declares under the entry-point group `centroidkv.methods` (a module,
-a package whose modules are all imported, or a `Method` class). A module registers its methods with
-`@register`. Adding a method is therefore one file: drop it into `baselines/`, or ship it in your
-own package with, in its pyproject.toml,
+Methods are found, not listed: the library's own method (`centroidkv.method`) is imported on the
+first look-up, and so is every object that an installed distribution declares under the entry-point
+group `centroidkv.methods` (a module, a package whose modules are all imported, or a `Method` class).
+A module registers its methods with `@register`. The harness's baselines come the same way: this
+repository's pyproject.toml declares its `baselines` package under the group, and a declared package
+is scanned again at every look-up, so adding a method is one file dropped into `baselines/`. Or ship
+it in your own package with, in its pyproject.toml,
 
     [project.entry-points."centroidkv.methods"]
     my_method = "my_package.my_method"
@@ -29,7 +30,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from centroidkv.kv import LayerKV, LayerStats
-from centroidkv.needs import Need, gather_needs
+from centroidkv.needs import Need
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -38,6 +39,7 @@ __all__ = [
     "Method",
     "Need",
     "check_float",
+    "check_int",
     "get_method",
     "method_class",
     "method_label",
@@ -47,8 +49,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "centroidkv.methods"
-# Where the harness's own methods live: a module, or a package whose every module is imported.
-BUILTIN_METHOD_PACKAGES = ("centroidkv.method", "baselines")
+# The library's own method; every other one (the harness's baselines too) comes through the group.
+BUILTIN_METHOD_MODULE = "centroidkv.method"
 
 
 @dataclass
@@ -101,11 +103,6 @@ class Method:
         return ()
 
     @property
-    def query_window(self) -> int:
-        """How many of the latest query states `LayerStats.queries` must hold (0: none)."""
-        return gather_needs(self.needs()).get("queries", 0)
-
-    @property
     def rows_independent(self) -> bool:
         """Whether each batch row is compressed as if alone (False when a data-driven count is shared
         by the rows of a batch, e.g. CentroidKV's adaptive schedule: tensors stay rectangular)."""
@@ -117,7 +114,8 @@ class Method:
 
     def kept_whole(self, model) -> dict[int, list[int]]:
         """KV heads, per layer index, that keep every entry and are never compressed (CentroidKV's
-        outlier heads); called once when a cache first compresses on `model`. None by default."""
+        outlier heads); called once when a cache first compresses on `model`, so it only reads what
+        is known (a file), never runs the model. None by default."""
         return {}
 
     def identity_fields(self, model_name: str) -> dict[str, Any]:
@@ -132,9 +130,9 @@ class Method:
         return 0.0
 
     def validate(self) -> None:
-        _check_int(self, "n_sink", minimum=0)
-        _check_int(self, "n_recent", minimum=0)
-        _check_int(self, "compress_interval", minimum=1)
+        check_int(self, "n_sink", minimum=0)
+        check_int(self, "n_recent", minimum=0)
+        check_int(self, "compress_interval", minimum=1)
 
     def layer_budget(self, budget_len: int, layer_idx: int, n_layers: int) -> int:
         """Tokens this layer may keep; methods with per-layer budgets (PyramidKV) override it."""
@@ -163,7 +161,8 @@ class Method:
         return {}
 
 
-def _check_int(method: Method, field: str, minimum: int) -> None:
+def check_int(method: Method, field: str, minimum: int) -> None:
+    """Raise one clear ValueError unless the field is an integer (not a bool) >= `minimum`."""
     value = getattr(method, field)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{method.name}: {field} must be an integer >= {minimum}, got {value!r}")
@@ -211,6 +210,7 @@ def _import_all(target: ModuleType | str) -> None:
 
 
 _plugins_loaded = False
+_plugin_packages: list[ModuleType] = []  # declared packages, scanned again at every look-up
 
 
 def _load_plugins() -> None:
@@ -231,20 +231,24 @@ def _load_plugins() -> None:
             continue
         if isinstance(loaded, ModuleType):
             _import_all(loaded)
+            if hasattr(loaded, "__path__"):
+                _plugin_packages.append(loaded)
         elif isinstance(loaded, type) and issubclass(loaded, Method):
             register(loaded)
 
 
 def _load_all() -> None:
-    # Built-in packages are re-scanned on every look-up (cheap), so a file dropped into baselines/
-    # is found without restarting; plug-ins are loaded once.
-    for package in BUILTIN_METHOD_PACKAGES:
-        _import_all(package)
+    # Declared packages are scanned again on every look-up (cheap), so a file dropped into baselines/
+    # is found without restarting; entry points themselves are read once.
+    importlib.import_module(BUILTIN_METHOD_MODULE)
     _load_plugins()
+    for package in _plugin_packages:
+        _import_all(package)
 
 
 def method_names() -> list[str]:
-    """Every registered method's name: the built-in ones first, then plug-ins, in discovery order."""
+    """Every registered method's name: the library's own first, then the declared ones (the harness's
+    baselines included), in discovery order."""
     _load_all()
     return list(REGISTRY)
 

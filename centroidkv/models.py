@@ -36,18 +36,12 @@ from transformers import (
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
+from centroidkv.errors import first_line
+from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
-EMBEDDED_MODEL = "smollm2-135m"
-HUB_MODELS = {
-    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
-    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
-    "qwen2-7b": "Qwen/Qwen2-7B-Instruct",
-}
-TINY_MODELS = ("tiny-llama", "tiny-mistral")
-
-# The published configurations (config.json of the Hub checkpoints above), architecture only.
+# The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
 _LLAMA_MISTRAL_7B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -114,6 +108,16 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
 }
 MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
 RANDOM_MODELS = (*PAPER_CONFIGS, *TINY_MODELS)  # seeded random weights, no tokenizer
+
+
+def default_device() -> str:
+    """The device a model runs on when none is asked for: cuda when available, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """The dtype a model runs in when none is asked for: bfloat16 on a GPU, float32 on a CPU."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def cache_dir() -> Path:
@@ -290,8 +294,8 @@ def load_model(
     name, depth = parse_model_name(name)
     if n_layers is not None:
         name, depth = parse_model_name(f"{name}:{n_layers}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
     if name in PAPER_CONFIGS:
         model = _random_model(name, depth, dtype, device, seed)
         tokenizer = None
@@ -365,5 +369,5 @@ def _from_hub(loader, repo_id: str, **kwargs):
     except OSError as error:  # covers connection errors, gated repos, missing files
         raise RuntimeError(
             f"cannot load {repo_id!r} from the Hugging Face Hub (unreachable, gated or not logged in): "
-            f"{str(error).splitlines()[0]}"
+            f"{first_line(error)}"
         ) from None

@@ -16,7 +16,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, budget_entries, compressed_fraction
+from centroidkv.budget import (
+    BUDGET_UNITS,
+    DEFAULT_BUDGET_UNIT,
+    budget_entries,
+    check_protected_fit,
+    compressed_fraction,
+)
+from centroidkv.errors import first_line
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -44,16 +51,16 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None: `centroidkv.models.default_dtype` of the device
+    device: str | None = None  # None: `centroidkv.models.default_device`
 
     def resolved(self) -> tuple[str, str]:
         """(device, dtype) the model will run with: the harness passes both to `load_model`, so a job's
         identity names them before the model loads (a CPU job resumed on a GPU would change dtype)."""
-        import torch
+        from centroidkv.models import default_device, default_dtype
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = self.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        device = self.device or default_device()
+        dtype = self.dtype or str(default_dtype(device)).removeprefix("torch.")
         return device, dtype
 
 
@@ -142,12 +149,6 @@ class RunConfig:
         """A generous estimate of the records' size, for the free-space check."""
         return self.benchmark.n_expected_samples() * len(self.methods) * BYTES_PER_RECORD + 2**20
 
-    @property
-    def max_query_window(self) -> int:
-        from centroidkv import get_method
-
-        return max((get_method(m.name, **m.params).query_window for m in self.methods), default=0)
-
 
 # Job folder names: readable key=value pairs of the overrides, then a hash of the whole override string.
 JOB_HASH_CHARS = 6
@@ -222,24 +223,31 @@ DEFAULT_BUDGET = (
 
 
 def store_configs() -> None:
-    """Register Hydra's `method/<name>` and `benchmark/<name>` options, built from the registries.
+    """Register Hydra's `model/<name>`, `method/<name>` and `benchmark/<name>` options, built from
+    the registries.
 
-    Each registered method (built in, discovered under `baselines/`, or from an entry point) becomes
-    `method=<name>` with `params` = its dataclass defaults, the only place defaults live, and
-    `budget` = DEFAULT_BUDGET; each benchmark of `eval.benchmarks` becomes `benchmark=<name>` with its
-    dataclass defaults. Call before Hydra composes (scripts/run.py does at startup).
+    Each model of `centroidkv.models.MODEL_NAMES` becomes `model=<name>` (dtype and device null: the
+    defaults of `centroidkv.models`); each registered method (the library's, one module in
+    `baselines/`, or from an entry point) becomes `method=<name>` with `params` = its dataclass
+    defaults, the only place defaults live, and `budget` = DEFAULT_BUDGET; each benchmark of
+    `eval.benchmarks` becomes `benchmark=<name>` with its dataclass defaults. Call before Hydra
+    composes (scripts/run.py does at startup).
     """
     from hydra.core.config_store import ConfigStore
 
     from centroidkv import get_method, method_names
+    from centroidkv.models import MODEL_NAMES
 
     store = ConfigStore.instance()
-    registered = {"method": method_names(), "benchmark": benchmark_names()}
+    registered = {"model": list(MODEL_NAMES), "method": method_names(), "benchmark": benchmark_names()}
     for group, names in registered.items():  # forget options whose method or benchmark is gone
         options = store.repo.get(group, {})
         for option in [o for o, node in options.items() if node.provider == "centroidkv"]:
             if option.removesuffix(".yaml") not in names:
                 del options[option]
+    for name in registered["model"]:
+        node = {"name": name, "dtype": None, "device": None}
+        store.store(group="model", name=name, node=node, provider="centroidkv")
     for name in registered["method"]:
         node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
         store.store(group="method", name=name, node=node, provider="centroidkv")
@@ -368,7 +376,7 @@ def build_run_config(
             method = get_method(name, **params)
             method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
-            errors.append(f"method {variant or name}: {str(error).splitlines()[0]}")
+            errors.append(f"method {variant or name}: {first_line(error)}")
             continue
         params = method.params()  # the full effective parameters, defaults included
         variant = variant or type(method).variant_for(params)  # e.g. kvpress-TOVA for a press
@@ -470,13 +478,10 @@ def _budget_errors(
         if not benchmark.length_is_tokens:
             continue
         shortest = min(benchmark.lengths)
-        protected = method.n_sink + method.n_recent + 1
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
-        if kept < protected:
-            errors.append(
-                f"budgets: {spec.label} keeps {kept} tokens of a {shortest}-token "
-                f"{benchmark.name} sample (budget_unit={budget_unit}), fewer than its {protected} protected "
-                f"(n_sink {method.n_sink} + n_recent {method.n_recent} + 1); raise the budget or lower "
-                "n_sink/n_recent"
-            )
+        what = f"{spec.label} on a {shortest}-token {benchmark.name} sample (budget_unit={budget_unit})"
+        try:
+            check_protected_fit(kept, method.n_sink, method.n_recent, what)
+        except ValueError as error:
+            errors.append(f"budgets: {error}")
     return errors

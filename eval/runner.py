@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from centroidkv.errors import first_line
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
 from eval.hub import offline_unless_reachable
@@ -88,7 +89,8 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
         return None
     from centroidkv import get_method, load_model, load_tokenizer
-    from centroidkv.models import HUB_MODELS
+    from centroidkv.models import EMBEDDED_MODEL, HUB_MODELS
+    from eval.calibrate import calibrate_missing
 
     if cfg.model.name in HUB_MODELS or cfg.benchmark.needs_hub:
         offline_unless_reachable()
@@ -96,14 +98,13 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     try:
         model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)
         if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
-            tokenizer = load_tokenizer("smollm2-135m")
+            tokenizer = load_tokenizer(EMBEDDED_MODEL)
         samples = cfg.benchmark.samples(tokenizer)
-        for spec in cfg.methods:  # heads kept whole are resolved now: a file `auto` lacks is calibrated
-            get_method(spec.name, **spec.params).kept_whole(model)
+        # Heads kept whole are resolved now, never inside a compression: a file `auto` lacks is
+        # calibrated here (a printed line, a progress bar).
+        calibrate_missing(model, [get_method(spec.name, **spec.params) for spec in cfg.methods])
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
-        raise SetupError(
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        ) from None
+        raise SetupError(first_line(error, with_type=True)) from None
     resolved = cfg.identity()  # a head file calibrated just now is named with its content hash
     if resolved != identity:
         identity = resolved

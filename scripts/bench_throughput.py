@@ -129,7 +129,7 @@ def decode_run(model, ids: torch.Tensor, method, budget: float, new_tokens: int)
     `method`: a Method or a registered name. Peak memory counts the buffers (`kv_capacity_bytes`):
     what the cache holds allocated, headroom for the next decoded tokens included."""
     from centroidkv import CompressedCache
-    from centroidkv.decoding import Timer
+    from centroidkv.timing import Timer
 
     cache = CompressedCache(method, budget, max_new_tokens=new_tokens)
     timer = Timer(ids.device)

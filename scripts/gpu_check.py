@@ -159,7 +159,7 @@ def compression_cost(report: Report, args) -> dict:
 
     from baselines.kmeans import kmeans_compress
     from centroidkv import get_method
-    from centroidkv.decoding import Timer
+    from centroidkv.timing import Timer
     from centroidkv.methods import LayerKV, LayerStats
 
     csm, timer = (
@@ -218,7 +218,7 @@ def fused_paths(report: Report, args, model) -> dict:
     from bench_throughput import decode_run, method_for
 
     from centroidkv.attention import _biased_attention
-    from centroidkv.decoding import Timer
+    from centroidkv.timing import Timer
     from centroidkv.flex import attention_backend, flash_attn_available, flash_prefill, flex_degree_attention
 
     timer, results = Timer(args.device), []

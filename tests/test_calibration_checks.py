@@ -5,8 +5,11 @@
 6. `outlier_heads=auto` keys the file of a random model by its depth (`random-llama3.1-8b:2` and `:4`
    never share one).
 7. The head file a run reads, with its content hash, is in the job's identity and in every record.
-8. `python -m centroidkv.calibrate`: one line and exit 2 for an unwritable folder, a budget below the
+8. `python -m eval.calibrate`: one line and exit 2 for an unwritable folder, a budget below the
    protected windows and an unloadable model, before any work; `--help` is fast and shows defaults.
+Issue 18, item 3: outlier heads are resolved when a model loads, never inside a compression: `auto`
+without a head file is one line naming the calibrate command (no tokenizer, no prefill), and the
+runner calibrates it up front.
 
 Everything here is fast: tiny or meta-device models and fake head files in tmp_path; no calibration
 of a real model runs.
@@ -21,20 +24,23 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_harness import TINY, composed, run_cfg
 
-import centroidkv.calibrate as calibrate
+import centroidkv.calibrate
 import centroidkv.models
-from centroidkv import get_method
+import eval.calibrate as calibrate
+from centroidkv import CompressedCache, get_method
 from centroidkv.calibrate import (
+    CalibrationMissing,
     head_file_for,
-    main,
     outlier_heads_for,
     packaged_head_file,
     read_head_file,
     user_head_file,
 )
 from centroidkv.models import load_model, model_shape
+from eval.calibrate import main
 from eval.config import ConfigError, build_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,8 +147,8 @@ def test_auto_keys_a_random_model_s_file_by_its_depth(cache, monkeypatch):
     assert head_file_for("random-llama3.1-8b:2") == path and head_file_for(four.centroidkv_name) is None
     assert outlier_heads_for(two, "auto", 0.25) == {1: [4, 5, 6, 7]}  # the 4 worst of 16
     assert user_head_file("random-llama3.1-8b:32") == user_head_file("random-llama3.1-8b")  # one model
-    # :4 has no file of its own: it would calibrate (refused here), never read the 2-layer file.
-    with pytest.raises(pytest.fail.Exception, match="calibrated"):
+    # :4 has no file of its own: refused with one line, never read the 2-layer file.
+    with pytest.raises(CalibrationMissing, match="random-llama3.1-8b-4layers.json"):
         outlier_heads_for(four, "auto", 0.25)
 
 
@@ -210,7 +216,7 @@ def test_an_unwritable_folder_is_refused_before_the_model_loads(tmp_path, capsys
 def test_a_budget_below_the_protected_windows_is_refused_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(centroidkv.models, "load_model", no_model)
     line = refusal(capsys, ["--model", "random-llama3.1-8b:1", "--tokens", "256"])
-    assert "keeps 64 entries, fewer than CentroidKV's 81 protected" in line and "at least 324" in line
+    assert "keeps 64 entries, fewer than its 81 protected" in line and "at least 324" in line
 
 
 def test_a_hub_model_offline_is_one_line(tmp_path, cache):
@@ -221,7 +227,7 @@ def test_a_hub_model_offline_is_one_line(tmp_path, cache):
         "CENTROIDKV_CACHE": str(cache),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "centroidkv.calibrate", "--model", "llama3.1-8b"],
+        [sys.executable, "-m", "eval.calibrate", "--model", "llama3.1-8b"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -234,7 +240,7 @@ def test_a_hub_model_offline_is_one_line(tmp_path, cache):
 
 
 def test_help_is_light_and_shows_every_default(capsys):
-    probe = "import sys, centroidkv.calibrate; print(sorted(m for m in ('torch', 'tqdm', 'transformers') if m in sys.modules))"
+    probe = "import sys, eval.calibrate; print(sorted(m for m in ('torch', 'tqdm', 'transformers') if m in sys.modules))"
     imported = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
@@ -247,10 +253,11 @@ def test_help_is_light_and_shows_every_default(capsys):
         assert f"(default: {default})" in text
 
 
-def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(tmp_path, monkeypatch):
-    """`auto` without a file: the runner calibrates when the model loads, and the identity it saves
-    names the written file, so a resumed job matches it. (The calibration is replaced by a fake head
-    file: the tiny model's vocabulary cannot take the essays' tokens, and the test is about the job.)"""
+def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(tmp_path, monkeypatch, capsys):
+    """`auto` without a file: the runner calibrates when the model loads, saying so in one line, and
+    the identity it saves names the written file, so a resumed job matches it. (The calibration is
+    replaced by a fake head file: the tiny model's vocabulary cannot take the essays' tokens, and the
+    test is about the job.)"""
     from centroidkv.models import cache_dir
     from eval.records import read_records
     from eval.runner import config_yaml_of, run_job
@@ -267,9 +274,43 @@ def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(tmp_pa
         "tiny-llama.json (not calibrated yet)"
     )
     run_job(cfg, config_yaml_of(cfg, None))
+    assert "no outlier-head calibration for 'tiny-llama' yet; calibrating" in capsys.readouterr().err
     named = cfg.identity()["methods.centroidkv.outlier_heads_file"]
     assert named.startswith("<cache>/outlier_heads/tiny-llama.json sha256:")
     records, _ = read_records(cfg.job_dir / "records.jsonl")
     assert records and all(r["outlier_heads_file"] == named for r in records)
     (cfg.job_dir / "done.json").unlink()  # as if killed: the rerun resumes, its identity matches
     assert run_job(cfg, config_yaml_of(cfg, None)) is not None
+
+
+def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, monkeypatch):
+    """Issue 18, item 3: no compression loads a tokenizer or runs a prefill. With every calibration
+    entry point made to fail, `auto` on a model without a head file stops at once with one line
+    naming the command that writes it; once the file is there, the same compression keeps its worst
+    head whole."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("calibration ran inside a compression")
+
+    monkeypatch.setattr(calibrate, "calibrate", forbidden)
+    monkeypatch.setattr(centroidkv.calibrate, "calibrate_heads", forbidden)
+    monkeypatch.setattr(centroidkv.calibrate, "head_errors", forbidden)
+    monkeypatch.setattr(centroidkv.models, "load_tokenizer", forbidden)
+    model, _ = load_model("tiny-llama")
+    method = get_method("centroidkv", chunk_size=32, outlier_fraction=0.25)  # 1 head of 2 x 2
+    ids = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(0))
+
+    def compressed() -> CompressedCache:
+        cache = CompressedCache(method, budget=0.5, max_new_tokens=0, budget_unit="entries")
+        with torch.inference_mode():
+            model(ids, past_key_values=cache)
+        return cache
+
+    with pytest.raises(CalibrationMissing) as missing:
+        compressed()
+    message = str(missing.value)
+    assert "\n" not in message and "`python -m eval.calibrate --model tiny-llama`" in message
+    write(user_head_file("tiny-llama"), head_data("tiny-llama", 2, 2))  # the last head is the worst
+    cache = compressed()
+    assert cache.layers[0].whole_heads is None and cache.layers[1].whole_heads.tolist() == [1]
+    assert cache.layers[1].keys.shape[-2] == 150  # the other head was compressed to the budget

@@ -195,7 +195,7 @@ def test_adaptive_merge_count_follows_the_similarity_distribution():
 def test_auto_on_a_model_too_small_for_one_outlier_head_neither_reads_nor_calibrates(tiny_model, monkeypatch):
     import centroidkv.calibrate as calibrate
 
-    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    monkeypatch.setattr(calibrate, "read_head_file", lambda *a, **k: pytest.fail("read a head file"))
     method = get_method("centroidkv", outlier_heads="auto")  # 4 % of 2 x 2 heads rounds to none
     assert method.kept_whole(tiny_model) == {}
 

@@ -177,7 +177,7 @@ def test_essay_halves_are_disjoint_and_cover_every_essay():
 
 
 def test_calibration_prompts_come_from_the_dev_essays_only(tok):
-    from centroidkv.calibrate import essay_prompts
+    from eval.calibrate import essay_prompts
 
     text = {split: " ".join(essay_words(split)) for split in SPLITS}
     prompts = essay_prompts(tok, 3, 256)

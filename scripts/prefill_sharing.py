@@ -1,34 +1,23 @@
-"""Peak memory per device, and the prefill-sharing measurement (`python -m eval.timing`).
+"""Prefill sharing: what N methods on one sample cost through the runner's shared prefill.
 
-Timing itself is `centroidkv.decoding.Timer` (CUDA events on a GPU, `perf_counter` on a CPU).
+    python scripts/prefill_sharing.py [--model smollm2-135m] [--length 4096] [--budget 0.5]
+
+Prints one JSON object (`measure_prefill_sharing`); docs/results.md "Prefill sharing" reports it.
 """
 
 from __future__ import annotations
 
-import resource
-import sys
+import argparse
+import json
 
 import torch
 
-from centroidkv.decoding import Timer
-
-
-def reset_peak_memory(device: torch.device | str) -> None:
-    """Start a new peak-memory window (CUDA only; CPU peak RSS is process-wide and cannot be reset)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device: torch.device | str) -> tuple[int, str]:
-    """(bytes, kind): CUDA max allocated since the last reset, or the process's peak RSS on CPU."""
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024), "cpu_peak_rss"
+from centroidkv.models import EMBEDDED_MODEL
+from centroidkv.timing import Timer
 
 
 def measure_prefill_sharing(
-    model_name: str = "smollm2-135m",
+    model_name: str = EMBEDDED_MODEL,
     length: int = 4096,
     task: str = "niah_single_1",
     budget: float = 0.5,
@@ -89,19 +78,16 @@ def measure_prefill_sharing(
     )
 
 
-if __name__ == "__main__":
-    import argparse
-    import json
-
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Measure prefill sharing: N methods on one sample.")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
         "--methods", default=None, help="comma-separated names; default: every registered method"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = measure_prefill_sharing(
         args.model,
         args.length,
@@ -110,3 +96,8 @@ if __name__ == "__main__":
         max_new_tokens=args.max_new_tokens,
     )
     print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

