@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import needs_of, prefill  # noqa: E402
+from centroidkv.models import EMBEDDED_MODEL  # noqa: E402
 from eval.text import essay_text  # noqa: E402
 
 CONFIGS = {
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model(EMBEDDED_MODEL)
     ids = tokenizer(essay_text(args.length), return_tensors="pt").input_ids[:, : args.length]
     methods = {name: get_method("centroidkv", **params) for name, params in CONFIGS.items()}
     prefilled = prefill(model, ids, 0, needs=needs_of(methods.values()))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from centroidkv.csm import csm_round
 from centroidkv.methods import LayerKV
-from centroidkv.models import MODEL_NAMES, check_model_name
+from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of {', '.join(MODEL_NAMES)}")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--new-tokens", type=int, default=128)

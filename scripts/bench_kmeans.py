@@ -31,6 +31,7 @@ from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
 from centroidkv.cache import causal_allowed
 from centroidkv.methods import LayerKV, LayerStats
+from centroidkv.models import EMBEDDED_MODEL
 from centroidkv.needs import query_window
 
 
@@ -146,7 +147,7 @@ def attention_output(queries, keys, values, log_degree, scaling) -> torch.Tensor
 
 
 def error_table(args: argparse.Namespace) -> dict[str, float]:
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model(EMBEDDED_MODEL)
     ids = tokenizer(essay_text(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
     # CentroidKV's compress() sees every head here (keeping outlier heads whole is the cache's job)
     csm, kmeans = (

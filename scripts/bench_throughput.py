@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from centroidkv.models import MODEL_NAMES, check_model_name
+from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 
 DEFAULT_RUNS = ("full:1", "centroidkv:0.5", "centroidkv:0.25", "streaming_llm:0.25")
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(MODEL_NAMES)}")
+    parser.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of {', '.join(MODEL_NAMES)}")
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens per sequence")
     parser.add_argument("--new-tokens", type=int, default=80, help="decoded tokens per sequence (Gamma)")
     parser.add_argument("--runs", nargs="+", default=list(DEFAULT_RUNS), help="method:budget pairs")

@@ -96,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
     from centroidkv.decoding import chat_prompt_ids, generate_from, needs_of, prefill, warm_up
+    from centroidkv.models import EMBEDDED_MODEL
     from eval.metrics import ruler_score
     from eval.ruler import generate_samples
 
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model(EMBEDDED_MODEL)
     methods = [get_method(name) for name in ["full", *args.methods]]
     warm_up(model, methods)  # a process's first compression is several times slower than the next
     print(

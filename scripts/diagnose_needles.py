@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
+from centroidkv.models import EMBEDDED_MODEL  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
 from eval.metrics import string_match_all  # noqa: E402
 from eval.ruler import haystack as hs  # noqa: E402
@@ -136,7 +137,7 @@ def main() -> None:
         "best": get_method("centroidkv", **parse_params(args.best)),
         "streaming_llm": get_method("streaming_llm"),
     }
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model(EMBEDDED_MODEL)
     needs = [*needs_of(configs.values()), NEEDLE]
     fate: dict[tuple[str, str, float], torch.Tensor] = {}
     scores: dict[tuple[str, str, float], list[float]] = {}

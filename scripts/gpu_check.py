@@ -159,8 +159,8 @@ def compression_cost(report: Report, args) -> dict:
 
     from baselines.kmeans import kmeans_compress
     from centroidkv import get_method
-    from centroidkv.timing import Timer
     from centroidkv.methods import LayerKV, LayerStats
+    from centroidkv.timing import Timer
 
     csm, timer = (
         get_method("centroidkv", similarity="post_rope"),
@@ -218,8 +218,8 @@ def fused_paths(report: Report, args, model) -> dict:
     from bench_throughput import decode_run, method_for
 
     from centroidkv.attention import _biased_attention
-    from centroidkv.timing import Timer
     from centroidkv.flex import attention_backend, flash_attn_available, flash_prefill, flex_degree_attention
+    from centroidkv.timing import Timer
 
     timer, results = Timer(args.device), []
     heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, 128

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from centroidkv.model_names import EMBEDDED_MODEL
 from eval.common import write_jsonl
 from eval.metrics import ruler_score
 from eval.ruler import OFFLINE_TASKS, generate_samples
@@ -59,7 +60,7 @@ def stop_ids(tok) -> list[int]:
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--n", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
