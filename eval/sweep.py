@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from centroidkv.errors import first_line
 from eval.config import (
     CONFIG_DIR,
     ConfigError,
@@ -164,7 +165,7 @@ def hydra_error_line(error: BaseException) -> str:
         ]
         detail = f"available: {', '.join(options)}"
     elif cause is not None and str(cause).strip():  # e.g. Key 'x' is not in struct
-        detail = str(cause).strip().splitlines()[0]
+        detail = first_line(cause)
     elif first.startswith("Could not override"):
         detail = "no such key"
     return f"{first} ({detail})" if detail else first

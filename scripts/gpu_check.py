@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from centroidkv.errors import first_line
+
 # The paper's v1 figures (Llama-3.1-8B, one GPU): TPOT full vs method, and peak memory at 64k.
 PAPER_TPOT_S = {16384: (0.043, 0.035), 32768: (0.071, 0.036), 65536: (0.137, 0.043)}
 PAPER_MEMORY_64K_GB = (31.83, 18.36)
@@ -75,7 +77,7 @@ class Report:
             self.data[title] = fn(self, *args)
         except Exception as error:  # one section's failure must not lose the others
             traceback.print_exc()
-            self.add(f"**{title} failed:** `{type(error).__name__}: {str(error).splitlines()[0][:300]}`")
+            self.add(f"**{title} failed:** `{first_line(error, with_type=True)[:300]}`")
             self.data[title] = {"error": repr(error)}
         self.add(f"_({title}: {time.perf_counter() - started:.0f} s)_\n")
         self.flush()
