@@ -350,8 +350,8 @@ def test_a_budget_too_small_for_the_protected_windows_is_a_config_error(tmp_path
     with pytest.raises(ConfigError) as error:
         build_run_config(composed(overrides), "job")
     assert error.value.lines == [
-        "budgets: centroidkv@0.05 keeps 5 tokens of a 1024-token ruler sample (budget_unit=bytes), fewer than "
-        "its 81 protected (n_sink 16 + n_recent 64 + 1); raise the budget or lower n_sink/n_recent"
+        "budgets: centroidkv@0.05 on a 1024-token ruler sample (budget_unit=bytes) keeps 5 entries, fewer "
+        "than its 81 protected (n_sink 16 + n_recent 64 + 1); raise the budget or lower n_sink/n_recent"
     ]  # in bytes its outlier heads (4.4 % of the heads) take most of 0.05; snapkv protects 33: 51 hold them
 
 
