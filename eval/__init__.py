@@ -1,7 +1,6 @@
-"""Benchmarks for the CentroidKV harness.
+"""The evaluation side of the CentroidKV harness: benchmarks, the runner, records and results.
 
-- `eval.ruler`: the 13 RULER tasks generated locally at any length (NVIDIA/RULER).
-- `eval.longbench`: LongBench v1 and LongBench-E samples with the reference prompts (THUDM/LongBench).
-- `eval.metrics`: the reference scorers of both benchmarks.
-- `eval.niah`: a needle-in-a-haystack grid (depth x length) for the classic heatmap.
+- `eval.benchmarks`: one home per benchmark (`ruler/`, `longbench/`, `niah.py`, `toy.py`), each with
+  its generator or loader, constants, scorer and how it is reported; found by discovery.
+- `eval.text`: the shared text (the Paul Graham essay haystack, the noise filler).
 """

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     from centroidkv import get_method, load_model
     from centroidkv.decoding import chat_prompt_ids, generate_from, needs_of, prefill, warm_up
     from centroidkv.models import EMBEDDED_MODEL
-    from eval.metrics import ruler_score
-    from eval.ruler import generate_samples
+    from eval.benchmarks.ruler import generate_samples
+    from eval.benchmarks.ruler.scoring import ruler_score
 
     start = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -35,10 +35,10 @@ from centroidkv import get_method, load_model  # noqa: E402
 from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
 from centroidkv.models import EMBEDDED_MODEL  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
-from eval.metrics import string_match_all  # noqa: E402
-from eval.ruler import haystack as hs  # noqa: E402
-from eval.ruler.constants import TASKS  # noqa: E402
-from eval.ruler.tasks import generate_samples  # noqa: E402
+from eval.benchmarks.ruler import needles  # noqa: E402
+from eval.benchmarks.ruler.constants import TASKS  # noqa: E402
+from eval.benchmarks.ruler.scoring import string_match_all  # noqa: E402
+from eval.benchmarks.ruler.tasks import generate_samples  # noqa: E402
 from eval.samples import encode_prompt  # noqa: E402
 
 NEEDLE = Need("needle")
@@ -67,15 +67,15 @@ RECORDERS[NEEDLE.name] = MARK
 def value_kind(kind: str):
     """Build niah_single_2 samples whose values are `kind` (RULER's words, or n-digit numbers)."""
     task = "niah_single_2"
-    original_cfg, original_number = dict(TASKS[task]), hs.random_number
+    original_cfg, original_number = dict(TASKS[task]), needles.random_number
     if kind == "words":
         TASKS[task] = {**original_cfg, "type_needle_v": "words"}
     elif kind == "3-digit numbers":
-        hs.random_number = lambda rng, split, digits=3: original_number(rng, split, digits)
+        needles.random_number = lambda rng, split, digits=3: original_number(rng, split, digits)
     try:
         yield task
     finally:
-        TASKS[task], hs.random_number = original_cfg, original_number
+        TASKS[task], needles.random_number = original_cfg, original_number
 
 
 def value_positions(ids: list[int], value: str, tokenizer) -> list[int]:

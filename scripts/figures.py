@@ -1,14 +1,18 @@
 """The paper's figures from any set of results, as PNG + PDF under paper_figures/.
 
-  python scripts/figures.py results/reproduce_ruler_cpu
+  python scripts/figures.py results/<experiment>
   python scripts/figures.py results/*/ --out paper_figures
 
-Figures (each drawn when the records hold what it needs), named <experiment>_<figure>:
-  ruler_accuracy_vs_budget  RULER average score vs budget per method (full cache dashed), and per
-                            task family;
+Figures (each drawn when the records hold what it needs), named <experiment>_<figure>, per benchmark
+the records name (their `benchmark` field) as its report asks (`eval.benchmarks.Report`; no benchmark
+is named here):
+  <benchmark>_accuracy_vs_budget  average score vs budget per method (full cache dashed);
+  <benchmark>_accuracy_by_family  the same per task family (when the report has families and the
+                            records hold two of them or more);
   <benchmark>_score_vs_kv   average score vs the measured KV ratio (kv_budget_ratio), one line per
                             method or variant, one point per budget: the Pareto view;
-  niah_heatmap              needle retrieval, depth x context length, one panel per method@budget;
+  <benchmark>_heatmap       score by needle depth x context length, one panel per method@budget (when
+                            the report asks for it);
   speed_vs_context          TPOT and KV cache size vs context length per method;
   <benchmark>_score_vs_param  average score vs the parameter(s) a method was swept over (r_init,
                             schedule, chunk_size, ...), one panel per swept method, one line per budget.
@@ -38,6 +42,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.methods import method_label  # noqa: E402
+from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from scripts.tables import (  # noqa: E402
     ABSENT,
     OutputError,
@@ -49,14 +54,6 @@ from scripts.tables import (  # noqa: E402
     writable_destination,
 )
 
-FAMILIES = {
-    "Single NIAH": ("niah_single_1", "niah_single_2", "niah_single_3"),
-    "Multi-key NIAH": ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3"),
-    "Multi-value / multi-query NIAH": ("niah_multivalue", "niah_multiquery"),
-    "Variable tracking": ("vt",),
-    "Aggregation (CWE, FWE)": ("cwe", "fwe"),
-    "QA": ("qa_1", "qa_2"),
-}
 MARKERS = "osv^D<>pPX*h"
 # tab20's 10 strong colours, then their 10 light ones: the first 10 labels get 10 hues.
 COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
@@ -164,69 +161,89 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
 
 
 def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
-    ruler = df[df["benchmark"] == "ruler"]
-    if ruler.empty or ruler.loc[ruler["method"] != "full", "budget"].nunique() < 1:
-        return []
-    means = _task_means(ruler)
+    """Per benchmark: the average score vs budget, and per task family when its report has families."""
     paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.6))
-    tasks = ", ".join(sorted(ruler["task"].unique()))
-    _accuracy_axes(ax, means, None, f"RULER average score vs KV budget\n{_subtitle(ruler)}")
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
-    ax.text(
-        0.5,
-        -0.2,
-        f"tasks: {tasks}; methods are offset slightly along x so that equal scores stay visible",
-        transform=ax.transAxes,
-        ha="center",
-        va="top",
-        fontsize=7,
-        color="dimgray",
-        wrap=True,
-    )
-    paths += _save(fig, out, f"{prefix}ruler_accuracy_vs_budget")
-
-    families = [(name, tasks) for name, tasks in FAMILIES.items() if ruler["task"].isin(tasks).any()]
-    if len(families) > 1:
-        cols = min(3, len(families))
-        rows = (len(families) + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharey=True)
-        for ax, (name, tasks) in zip(axes.flat, families, strict=False):
-            present = [t for t in tasks if t in set(ruler["task"])]
-            _accuracy_axes(ax, means, tuple(present), f"{name}\n({', '.join(present)})")
-        for ax in axes.flat[len(families) :]:
-            ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.suptitle(f"RULER score vs budget per task family — {_subtitle(ruler)}", fontsize=11)
-        fig.tight_layout()
-        # Below the panels (after the layout, so it cannot cover the x-axis labels); the saved
-        # figure's tight bounding box takes it in.
-        fig.legend(
-            handles,
-            labels,
-            loc="upper center",
-            ncol=min(len(labels), 3 * cols),
-            fontsize=8,
-            bbox_to_anchor=(0.5, 0.0),
+    for benchmark, part in df.groupby("benchmark"):
+        if part.loc[part["method"] != "full", "budget"].nunique() < 1:
+            continue
+        report = benchmark_report(benchmark)
+        means = _task_means(part)
+        fig, ax = plt.subplots(figsize=(7, 4.6))
+        tasks = ", ".join(sorted(part["task"].unique()))
+        _accuracy_axes(ax, means, None, f"{report.title} average score vs KV budget\n{_subtitle(part)}")
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
+        ax.text(
+            0.5,
+            -0.2,
+            f"tasks: {tasks}; methods are offset slightly along x so that equal scores stay visible",
+            transform=ax.transAxes,
+            ha="center",
+            va="top",
+            fontsize=7,
+            color="dimgray",
+            wrap=True,
         )
-        paths += _save(fig, out, f"{prefix}ruler_accuracy_by_family")
+        paths += _save(fig, out, f"{prefix}{benchmark}_accuracy_vs_budget")
+        paths += _accuracy_by_family(part, means, report, out, f"{prefix}{benchmark}")
     return paths
 
 
-def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+def _accuracy_by_family(
+    part: pd.DataFrame, means: pd.DataFrame, report: Report, out: Path, name: str
+) -> list[Path]:
+    """One benchmark's score vs budget, one panel per task family of its report that the records hold
+    (none when they hold fewer than two)."""
+    families = [
+        (family, tasks) for family, tasks in report.families.items() if part["task"].isin(tasks).any()
+    ]
+    if len(families) < 2:
+        return []
+    cols = min(3, len(families))
+    rows = (len(families) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharey=True)
+    for ax, (family, tasks) in zip(axes.flat, families, strict=False):
+        present = [t for t in tasks if t in set(part["task"])]
+        _accuracy_axes(ax, means, tuple(present), f"{family}\n({', '.join(present)})")
+    for ax in axes.flat[len(families) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.suptitle(f"{report.title} score vs budget per task family — {_subtitle(part)}", fontsize=11)
+    fig.tight_layout()
+    # Below the panels (after the layout, so it cannot cover the x-axis labels); the saved
+    # figure's tight bounding box takes it in.
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        ncol=min(len(labels), 3 * cols),
+        fontsize=8,
+        bbox_to_anchor=(0.5, 0.0),
+    )
+    return _save(fig, out, f"{name}_accuracy_by_family")
+
+
+def heatmaps(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+    """Per benchmark whose report asks for it: the score by needle depth x context length."""
     if "depth" not in df:
         return []
-    niah = df[(df["benchmark"] == "niah") & df["ok"] & df["depth"].notna()]
-    if niah.empty:
-        return []
-    niah = niah.assign(
-        who=niah.apply(
+    paths = []
+    for benchmark, part in df[df["ok"] & df["depth"].notna()].groupby("benchmark"):
+        report = benchmark_report(benchmark)
+        if report.heatmap:
+            paths += _heatmap(part, report, out, f"{prefix}{benchmark}_heatmap")
+    return paths
+
+
+def _heatmap(scored: pd.DataFrame, report: Report, out: Path, name: str) -> list[Path]:
+    """One panel per method@budget: mean score per (depth, length) cell."""
+    scored = scored.assign(
+        who=scored.apply(
             lambda r: r["label"] if r["method"] == "full" else f"{r['label']} @ {r['budget']:.0%}", axis=1
         )
     )
-    order = niah.sort_values(["label_rank", "budget"]).drop_duplicates("who")["who"].tolist()
-    depths = sorted(niah["depth"].unique())
-    lengths = sorted(niah["length"].unique())
+    order = scored.sort_values(["label_rank", "budget"]).drop_duplicates("who")["who"].tolist()
+    depths = sorted(scored["depth"].unique())
+    lengths = sorted(scored["length"].unique())
     cols = min(4, len(order))
     rows = (len(order) + cols - 1) // cols
     fig, axes = plt.subplots(
@@ -234,7 +251,7 @@ def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     )
     image = None
     for index, (ax, who) in enumerate(zip(axes.flat, order, strict=False)):
-        grid = niah[niah["who"] == who].pivot_table(
+        grid = scored[scored["who"] == who].pivot_table(
             index="depth", columns="length", values="score", aggfunc="mean"
         )
         grid = grid.reindex(index=depths, columns=lengths)
@@ -254,12 +271,12 @@ def niah_heatmap(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     for ax in axes.flat[len(order) :]:
         ax.axis("off")
     fig.suptitle(
-        f"Needle in a haystack: retrieval score (0-100) — {', '.join(sorted(niah['model'].unique()))}",
+        f"{report.title}: retrieval score (0-100) — {', '.join(sorted(scored['model'].unique()))}",
         fontsize=11,
     )
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="Score (0-100)")
-    return _save(fig, out, f"{prefix}niah_heatmap")
+    return _save(fig, out, name)
 
 
 def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
@@ -411,7 +428,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     return paths
 
 
-FIGURES = (accuracy_vs_budget, score_vs_kv, niah_heatmap, speed_vs_context, score_vs_param)
+FIGURES = (accuracy_vs_budget, score_vs_kv, heatmaps, speed_vs_context, score_vs_param)
 
 
 def make_figures(df: pd.DataFrame, out: Path) -> list[Path]:

@@ -2,7 +2,7 @@
 
 For each offline RULER task, `--n` samples at `--length` tokens: chat template (user message = the
 sample's input, generation prompt, then the answer prefix), greedy decoding of the task's max new
-tokens with the uncompressed cache, scored with `eval.metrics.ruler_score`. Writes the predictions
+tokens with the uncompressed cache, scored with `eval.benchmarks.ruler.scoring.ruler_score`. Writes the predictions
 (jsonl) and the per-task scores (json) under `--out`, and prints the table.
 
     python scripts/ruler_full_baseline.py --length 4096 --n 5 --threads 1
@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from centroidkv.model_names import EMBEDDED_MODEL
+from eval.benchmarks.ruler import OFFLINE_TASKS, generate_samples
+from eval.benchmarks.ruler.scoring import ruler_score
 from eval.common import write_jsonl
-from eval.metrics import ruler_score
-from eval.ruler import OFFLINE_TASKS, generate_samples
 
 
 def load(name: str):

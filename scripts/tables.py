@@ -1,12 +1,14 @@
 """The paper's tables from any set of results, as Markdown and LaTeX.
 
-  python scripts/tables.py results/reproduce_ruler_cpu            # -> results/reproduce_ruler_cpu/tables/
+  python scripts/tables.py results/<experiment>            # -> results/<experiment>/tables/
   python scripts/tables.py results/a results/b --out my_tables/
 
-Tables: RULER tasks x methods per budget (with the average), LongBench datasets x methods per budget,
-TPOT / TTFT / KV memory vs context length. Scores are means over the samples that ran; failed runs
-are left out of the means and counted in the "failed" column. The full cache (budget 1.0) is the
-reference row of every budget's table. The Markdown is also printed.
+Tables, per benchmark the records name (their `benchmark` field), as its report asks
+(`eval.benchmarks.Report`, the default when it says nothing): tasks x methods per budget with the
+average, the average per budget, the ranking; then TPOT / TTFT / KV memory vs context length. No
+benchmark is named here. Scores are means over the samples that ran; failed runs are left out of the
+means and counted in the "failed" column. The full cache (budget 1.0) is the reference row of every
+budget's table. The Markdown is also printed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +28,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.methods import method_label, method_variant  # noqa: E402
+from eval.benchmarks import benchmark_report  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
-
-TASK_NAMES = {
-    "niah_single_1": "S-NIAH-1",
-    "niah_single_2": "S-NIAH-2",
-    "niah_single_3": "S-NIAH-3",
-    "niah_multikey_1": "MK-NIAH-1",
-    "niah_multikey_2": "MK-NIAH-2",
-    "niah_multikey_3": "MK-NIAH-3",
-    "niah_multivalue": "MV-NIAH",
-    "niah_multiquery": "MQ-NIAH",
-    "vt": "VT",
-    "cwe": "CWE",
-    "fwe": "FWE",
-    "qa_1": "QA-1",
-    "qa_2": "QA-2",
-}
-
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
 # which samples run while every record names the sample it holds (task, length, depth, sample_id), so
@@ -56,7 +43,7 @@ NON_SPLITTING_KEYS = frozenset(
         "benchmark.tasks",  # which tasks run: each record names its task, a table has a column per task
         "benchmark.lengths",  # which context lengths run: each record names its length (captions list them)
         "benchmark.depths",  # which needle depths run: each record names its depth
-        "benchmark.data_dir",  # where LongBench's files are read from, not what they hold
+        "benchmark.data_dir",  # where a published set's files are read from, not what they hold
     }
 )
 # Record fields that change the numbers, for jobs whose saved identity (or missing config.yaml)
@@ -225,9 +212,10 @@ def kv_ratio(df: pd.DataFrame) -> pd.Series:
     return measured
 
 
-def score_table(df: pd.DataFrame, budget: float, names: dict[str, str] | None = None) -> pd.DataFrame:
+def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None = None) -> pd.DataFrame:
     """Methods x tasks mean score at `budget` (the full cache as reference), with Avg, the measured
-    KV ratio (KV: mean kv_budget_ratio of the row's successful samples) and the sample counts."""
+    KV ratio (KV: mean kv_budget_ratio of the row's successful samples) and the sample counts.
+    `names`: a column header per task, in column order; other tasks follow, sorted, by their names."""
     rows = df[(df["budget"] == budget) | (df["method"] == "full")]
     ok = rows[rows["ok"]]
     table = ok.pivot_table(index="label", columns="task", values="score", aggfunc="mean")
@@ -423,12 +411,13 @@ def split_words(df: pd.DataFrame) -> str:
 
 
 def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
-    """name -> (caption, table, digits) for every table the records allow."""
+    """name -> (caption, table, digits) for every table the records allow: per benchmark, those its
+    report asks for (`eval.benchmarks.benchmark_report`), then the speed table."""
     tables: dict[str, tuple[str, pd.DataFrame, int]] = {}
-    for bench, names, title in (("ruler", TASK_NAMES, "RULER"), ("longbench", None, "LongBench")):
+    for bench in sorted(df["benchmark"].dropna().unique()):
         part = df[df["benchmark"] == bench]
-        if part.empty:
-            continue
+        report = benchmark_report(bench)
+        names, title = report.task_labels, report.title
         models = ", ".join(sorted(part["model"].dropna().unique()))
         lengths = ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
         budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
@@ -441,13 +430,15 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             table = score_table(part, budget, names)
             tables[f"{bench}_budget{budget:g}"] = (caption, table, 1)
             averages[f"{budget:.0%}"] = table["Avg"]
-        if len(averages) > 1:
+        if report.summary and len(averages) > 1:
             summary = pd.DataFrame(averages)
             summary.index.name = "Method"
             n_tasks = part["task"].nunique()
             caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
             tables[f"{bench}_summary"] = (caption, summary, 1)
-        if budgets:  # how stable the order is, at every budget (a single-budget ablation included)
+        if (
+            report.ranking and budgets
+        ):  # how stable the order is, at every budget (a single-budget ablation included)
             caption = (
                 f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
                 f"{models}, context {lengths} tokens"

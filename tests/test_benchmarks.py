@@ -20,7 +20,7 @@ def test_the_four_benchmarks_are_discovered_and_their_defaults_are_valid():
 
 
 def test_ruler_default_tasks_are_the_generator_s():
-    from eval.ruler import TASK_NAMES
+    from eval.benchmarks.ruler import TASK_NAMES
 
     assert build_benchmark({"name": "ruler"})[0].tasks == TASK_NAMES
 

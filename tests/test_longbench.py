@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from eval.benchmarks.longbench import data as lb_data
+from eval.benchmarks.longbench.constants import E_DATASETS, EN_DATASETS, MAX_NEW_TOKENS, PROMPTS
+from eval.benchmarks.longbench.data import load_samples
+from eval.benchmarks.longbench.scoring import longbench_e_scores, longbench_score
 from eval.common import read_jsonl
-from eval.longbench import E_DATASETS, EN_DATASETS, MAX_NEW_TOKENS, PROMPTS, load_samples
-from eval.longbench import data as lb_data
-from eval.metrics import longbench_e_scores, longbench_score
 
 FIXTURE = Path(__file__).parent / "fixtures" / "longbench"
 FIXTURE_DATASETS = sorted(p.stem for p in FIXTURE.glob("*.jsonl") if not p.stem.endswith("_e"))
@@ -127,7 +128,7 @@ def test_hub_failure_is_one_clear_line(monkeypatch):
 
 
 def test_hub_offline_fails_fast_in_a_fresh_process():
-    code = "from eval.longbench import load_samples; load_samples('qasper', 'smollm2-135m', e=True)"
+    code = "from eval.benchmarks.longbench.data import load_samples; load_samples('qasper', 'smollm2-135m', e=True)"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0

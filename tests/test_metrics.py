@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from eval.metrics import (
+from eval.benchmarks.longbench.scoring import (
     code_sim_score,
     length_bucket,
     longbench_dataset_score,
     longbench_e_scores,
     longbench_score,
-    ruler_score,
 )
+from eval.benchmarks.ruler.scoring import ruler_score
 
 # ------------------------------------------------------------------------------------------------ RULER
 

@@ -13,10 +13,10 @@ from itertools import accumulate
 
 import pytest
 
+from eval.benchmarks.ruler import OFFLINE_TASKS, TASKS, generate_samples, max_new_tokens
+from eval.benchmarks.ruler.__main__ import main as cli_main
+from eval.benchmarks.ruler.constants import DEPTHS
 from eval.common import count_tokens, largest_fitting, read_jsonl, write_jsonl
-from eval.ruler import OFFLINE_TASKS, TASKS, generate_samples, max_new_tokens
-from eval.ruler.__main__ import main as cli_main
-from eval.ruler.constants import DEPTHS
 from eval.text import NOISE, split_sentences
 
 LENGTHS = (4096, 8192)
@@ -241,7 +241,7 @@ def test_cli_prints_samples_and_token_counts(capsys):
 def test_cli_bad_arguments_exit_2_with_one_line(argv):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run(
-        [sys.executable, "-m", "eval.ruler", *argv], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "eval.benchmarks.ruler", *argv], capture_output=True, text=True, env=env
     )
     assert done.returncode == 2
     assert done.stdout == "" and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
@@ -250,7 +250,7 @@ def test_cli_bad_arguments_exit_2_with_one_line(argv):
 def test_qa_hub_failure_is_one_clear_line(monkeypatch):
     import datasets
 
-    from eval.ruler import qa
+    from eval.benchmarks.ruler import qa
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'rajpurkar/squad_v2' on the Hub\nmore details here")
@@ -264,7 +264,7 @@ def test_qa_hub_failure_is_one_clear_line(monkeypatch):
 
 
 def test_qa_offline_hub_fails_fast_in_a_fresh_process():
-    code = "from eval.ruler import generate_samples; generate_samples('qa_2', 4096, 'smollm2-135m', 1)"
+    code = "from eval.benchmarks.ruler import generate_samples; generate_samples('qa_2', 4096, 'smollm2-135m', 1)"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode != 0
@@ -278,7 +278,7 @@ def test_qa_offline_hub_fails_fast_in_a_fresh_process():
 
 
 def test_niah_grid_places_the_needle_at_each_depth(tok):
-    from eval.niah import generate_niah, niah_grid, niah_score
+    from eval.benchmarks.niah import generate_niah, niah_grid, niah_score
 
     grid = generate_niah([2048, 4096], [0, 25, 100], tok, seed=3, progress=False)
     assert [(s["target_length"], s["depth"]) for s in grid] == [
@@ -350,7 +350,7 @@ def _fake_hotpot() -> list[dict]:
 def test_qa_from_a_fake_hub(task, tok, monkeypatch):
     import datasets
 
-    from eval.ruler import qa
+    from eval.benchmarks.ruler import qa
 
     fake = {"rajpurkar/squad_v2": _fake_squad(), "hotpotqa/hotpot_qa": _fake_hotpot()}
     qa.load_qa.cache_clear()

@@ -13,10 +13,9 @@ import pytest
 import yaml
 
 from eval.benchmarks import SPLITS, build_benchmark, split_index
+from eval.benchmarks.niah import generate_niah
+from eval.benchmarks.ruler import OFFLINE_TASKS, TASKS, generate_samples, needles
 from eval.benchmarks.toy import WORDS, Toy
-from eval.niah import generate_niah
-from eval.ruler import OFFLINE_TASKS, TASKS, generate_samples
-from eval.ruler import haystack as hs
 from eval.text import essay_files, essay_words, split_sentences
 
 LENGTH = 1024
@@ -134,8 +133,8 @@ def test_ruler_essay_haystacks_come_from_their_split_s_essays(generated):
 
 
 def test_ruler_qa_splits_ask_different_questions(tok, monkeypatch):
-    from eval.ruler import tasks
-    from eval.ruler.qa import QAItem
+    from eval.benchmarks.ruler import tasks
+    from eval.benchmarks.ruler.qa import QAItem
 
     items = [QAItem(query=f"Question {i}?", answers=[f"answer {i}"], gold=[i]) for i in range(20)]
     docs = [f"Document body {i}. " + "filler words here. " * 10 for i in range(20)]
@@ -153,12 +152,12 @@ def test_value_spaces_are_partitioned_between_the_splits():
     draws = 20_000
     for kind in ("numbers", "words"):
         rngs = {split: random.Random(f"draws:{split}") for split in SPLITS}
-        dev, test = ({hs.random_value(kind, rngs[s], s) for _ in range(draws)} for s in SPLITS)
+        dev, test = ({needles.random_value(kind, rngs[s], s) for _ in range(draws)} for s in SPLITS)
         assert len(dev) > 0.99 * draws and dev.isdisjoint(test)
     rngs = {split: random.Random(f"names:{split}") for split in SPLITS}
-    dev, test = ({hs.random_upper_name(rngs[s], 5, s) for _ in range(draws)} for s in SPLITS)
+    dev, test = ({needles.random_upper_name(rngs[s], 5, s) for _ in range(draws)} for s in SPLITS)
     assert dev.isdisjoint(test) and all(len(n) == 5 and n.isupper() for n in dev | test)
-    numbers = [int(hs.random_number(random.Random(i), "test")) for i in range(2000)]
+    numbers = [int(needles.random_number(random.Random(i), "test")) for i in range(2000)]
     assert all(10**6 <= n < 10**7 and n % 2 for n in numbers)
     assert min(numbers) < 1_100_000 and max(numbers) > 9_900_000  # the whole range, odd numbers only
     assert {split_index(random.Random(i), 3, "dev") for i in range(100)} == {0, 2}
@@ -253,7 +252,7 @@ def test_generators_refuse_a_bad_split_with_one_line(tok):
 
 
 def test_cli_split_option(capsys):
-    from eval.ruler.__main__ import main as cli_main
+    from eval.benchmarks.ruler.__main__ import main as cli_main
 
     assert cli_main(["--task", "niah_single_1", "--length", str(LENGTH), "--split", "dev"]) == 0
     assert "(dev split, seed 0)" in capsys.readouterr().out

@@ -1,9 +1,11 @@
-"""Benchmarks, one module each in this folder, found by discovery: the `benchmark.*` config of a run.
+"""Benchmarks, one home each in this folder, found by discovery: the `benchmark.*` config of a run.
 
 A benchmark is a frozen dataclass whose fields are its parameters with their defaults (the only place
 they live: Hydra's `benchmark=<name>` options are built from them by `eval.config.store_configs`). It
-says what is wrong with its values (`validate`), builds its samples (`load`) and scores a prediction
-(`score`). Adding one is one module here:
+says what is wrong with its values (`validate`), builds its samples (`load`), scores a prediction
+(`score`) and may say how its results are shown (`report`). Everything about a benchmark lives in its
+home: one module here (`toy.py`, `niah.py`), or a package for a big one (`ruler/`, `longbench/`:
+generator, constants, scorer). Adding one is one module here:
 
     @register_benchmark
     @dataclass(frozen=True)
@@ -20,6 +22,11 @@ A sample is a dict with at least `task`, `length`, `input` (the user message), `
 `use_chat_template`, `index`, `depth` are optional. Packages outside this repository register theirs
 through the `centroidkv.benchmarks` entry-point group.
 
+Reporting: `scripts/tables.py` and `scripts/figures.py` group records by their `benchmark` field and
+ask `benchmark_report(name)` how to show each group; they never name a benchmark. A benchmark that
+says nothing gets the default `Report`: a score table of its tasks x methods at each budget with the
+average, the average per budget, the ranking, and the score-vs-budget and score-vs-KV figures.
+
 Splits: every benchmark has `split` (`dev` or `test`, default `test`). A generated benchmark keeps the
 two apart by seeding its random generators with `self.sample_seed(...)` (which starts with the
 split's name) and drawing its needle values and keys with `split_index` (from the split's half of
@@ -32,7 +39,8 @@ import dataclasses
 import importlib
 import pkgutil
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
@@ -75,7 +83,7 @@ def split_index(rng: random.Random, n: int, split: str) -> int:
     """A uniform draw from `split`'s half of range(n): THE partition rule of the splits' value spaces.
 
     Every value space a generator draws needles from is numbered 0..n-1 (how RULER's are numbered is
-    in `eval/ruler/haystack.py`); dev takes the even numbers, test the odd ones. Within its half a
+    in `eval/benchmarks/ruler/needles.py`); dev takes the even numbers, test the odd ones. Within its half a
     split's draws are uniform, so the splits never share a value and each keeps the distribution of
     the whole space.
     """
@@ -86,6 +94,28 @@ def split_index(rng: random.Random, n: int, split: str) -> int:
 def split_items(n: int, split: str) -> range:
     """The numbers of range(n) that belong to `split` (the same rule as `split_index`, enumerated)."""
     return range(_parity(split), n, 2)
+
+
+@dataclass(frozen=True)
+class Report:
+    """How `scripts/tables.py` and `scripts/figures.py` show a benchmark's records.
+
+    title: the name captions and figure titles give the benchmark (e.g. "RULER").
+    task_labels: a column header per task, in the order the columns come; tasks not listed follow
+        under their own names, sorted.
+    families: task groups (name -> tasks) that get a panel each in a per-family score-vs-budget
+        figure (drawn when the records hold tasks of two families or more).
+    summary: a table of each method's average at every budget (when there are several budgets).
+    ranking: a table of the ranking by average score with bootstrap intervals, per budget.
+    heatmap: a depth x length heatmap per method and budget (records that carry a needle `depth`).
+    """
+
+    title: str
+    task_labels: Mapping[str, str] = field(default_factory=dict)
+    families: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    summary: bool = True
+    ranking: bool = True
+    heatmap: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,6 +192,12 @@ class Benchmark:
         """How many samples `load` gives at most (for the results folder's space check)."""
         return len(self.tasks) * len(self.lengths) * self.n_samples
 
+    @classmethod
+    def report(cls) -> Report:
+        """How the tables and figures show this benchmark's records (the default: titled by its name,
+        tasks in name order, no families, average per budget and ranking, no heatmap)."""
+        return Report(title=cls.name)
+
     # --- shared ---------------------------------------------------------------------------
     def sample_seed(self, *parts: object) -> str:
         """The seed string of a random generator of this benchmark's split and seed, e.g.
@@ -212,6 +248,13 @@ def _discover() -> None:
 def benchmark_names() -> list[str]:
     _discover()
     return sorted(REGISTRY)
+
+
+def benchmark_report(name: str) -> Report:
+    """How to show the records of benchmark `name`: its class's `report()`, or the default `Report`
+    titled by the name when no registered benchmark has it (records of a benchmark since removed)."""
+    _discover()
+    return REGISTRY[name].report() if name in REGISTRY else Report(title=name)
 
 
 def build_benchmark(raw: dict[str, Any]) -> tuple[Benchmark | None, list[str]]:

@@ -1,9 +1,14 @@
 """LongBench v1 (THUDM/LongBench): the 16 English and code datasets; append `_e` for LongBench-E.
 
+Its home: `constants` (prompts, generation lengths, dataset lists, chat-template rule), `data`
+(`load_samples(dataset, tokenizer, data_dir=None, max_length=3500, n=None, e=False)`, with the reference
+prompts, middle truncation and chat rule), `scoring` (the reference metrics, `longbench_score`), and
+here the benchmark, reported the default way (`eval.benchmarks.Report`) under the title "LongBench".
+
 Data from the Hugging Face Hub, or from `data_dir` holding the same jsonl files. The one length is the
 truncation length of the prompt in tokens (LongBench's middle truncation); each dataset has its own
-generation length, prompt and metric (`eval.longbench`, `eval.metrics.longbench_score`). LongBench is
-a fixed published test set: it has no dev split (`split=dev` is refused at validation).
+generation length, prompt and metric. LongBench is a fixed published test set: it has no dev split
+(`split=dev` is refused at validation).
 """
 
 from __future__ import annotations
@@ -11,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.benchmarks import Benchmark, Sample, register_benchmark
-from eval.longbench.constants import E_DATASETS, EN_DATASETS
+from eval.benchmarks import Benchmark, Report, Sample, register_benchmark
+from eval.benchmarks.longbench.constants import E_DATASETS, EN_DATASETS
 
 
 @register_benchmark
@@ -24,6 +29,10 @@ class LongBench(Benchmark):
     lengths: tuple[int, ...] = (31500,)
     n_samples: int = 200  # per dataset (LongBench has at most 200)
     data_dir: str | None = None
+
+    @classmethod
+    def report(cls) -> Report:
+        return Report(title="LongBench")
 
     def validate(self) -> list[str]:
         errors = super().validate()
@@ -55,7 +64,7 @@ class LongBench(Benchmark):
         return self.data_dir is None
 
     def load(self, tokenizer) -> list[Sample]:
-        from eval.longbench import load_samples
+        from eval.benchmarks.longbench.data import load_samples
 
         max_length = self.lengths[0]
         samples = []
@@ -77,7 +86,7 @@ class LongBench(Benchmark):
         return samples
 
     def score(self, sample: Sample, prediction: str) -> float:
-        from eval.metrics import longbench_score
+        from eval.benchmarks.longbench.scoring import longbench_score
 
         dataset = sample.get("dataset") or sample["task"].removesuffix("_e")
         return float(longbench_score(dataset, prediction, sample["answers"], sample.get("all_classes")))

@@ -23,10 +23,10 @@ from typing import Any
 from tqdm import tqdm
 
 from eval.benchmarks import check_split, split_index, split_items, split_seed
+from eval.benchmarks.ruler.constants import DEPTHS, NEEDLE, TASKS, TEMPLATES, max_new_tokens
+from eval.benchmarks.ruler.needles import common_words, random_coded_word, random_upper_name, random_value
+from eval.benchmarks.ruler.qa import load_qa
 from eval.common import Tokenizer, count_tokens, largest_fitting, resolve_tokenizer
-from eval.ruler import haystack as hs
-from eval.ruler.constants import DEPTHS, NEEDLE, TASKS, TEMPLATES, max_new_tokens
-from eval.ruler.qa import load_qa
 from eval.text import NOISE, essay_text, insert_at_depths, split_sentences
 
 MIN_LENGTH = 1024  # below this the few-shot examples alone (vt, cwe) leave no room for a haystack
@@ -93,8 +93,8 @@ def _niah_builder(cfg: dict[str, Any], seed: str, split: str) -> Callable[[int],
     num_k = max(cfg["num_needle_k"], cfg["num_needle_q"])
     keys, values, needles = [], [], []
     for _ in range(num_k):
-        keys.append(hs.random_value(kind_k, rng, split))
-        values.append([hs.random_value(kind_v, rng, split) for _ in range(cfg["num_needle_v"])])
+        keys.append(random_value(kind_k, rng, split))
+        values.append([random_value(kind_v, rng, split) for _ in range(cfg["num_needle_v"])])
         needles += [NEEDLE.format(type_needle_v=kind_v, key=keys[-1], value=v) for v in values[-1]]
     rng.shuffle(needles)
     depths = sorted(rng.sample(DEPTHS, len(needles)))
@@ -121,8 +121,8 @@ def _niah_builder(cfg: dict[str, Any], seed: str, split: str) -> Callable[[int],
                     distractors.append(
                         NEEDLE.format(
                             type_needle_v=kind_v,
-                            key=hs.random_value(kind_k, distractor_rng, split),
-                            value=hs.random_value(kind_v, distractor_rng, split),
+                            key=random_value(kind_k, distractor_rng, split),
+                            value=random_value(kind_v, distractor_rng, split),
                         )
                     )
                 units = distractors[:size]
@@ -140,7 +140,7 @@ def _chain(rng: random.Random, num_chains: int, num_hops: int, name_len: int, va
     names and values from the split's half."""
     names: list[str] = []
     while len(set(names)) < num_chains * (num_hops + 1):
-        names.append(hs.random_upper_name(rng, name_len, split))
+        names.append(random_upper_name(rng, name_len, split))
     names = list(dict.fromkeys(names))
     chains, groups = [], []
     for c in range(num_chains):
@@ -243,7 +243,7 @@ def _cwe_builder(cfg: dict[str, Any], seed: str, length: int) -> Callable[[int],
     20 words: 3 and 1 times below 4k). The words come from one fixed draw, so that a longer list only
     adds uncommon words."""
     rng = random.Random(seed)
-    vocab = hs.common_words()
+    vocab = common_words()
     short = length < 4096
     num_cw = cfg["num_cw"]
     examples = []
@@ -285,7 +285,7 @@ def _fwe_builder(cfg: dict[str, Any], seed: str, length: int) -> Callable[[int],
     wordlen, alpha = cfg["coded_wordlen"], cfg["alpha"]
     vocab: set[str] = set()
     while len(vocab) < vocab_size:
-        vocab.add(hs.random_coded_word(rng, wordlen))
+        vocab.add(random_coded_word(rng, wordlen))
     ranked = sorted(vocab)
     rng.shuffle(ranked)
     ranked[0] = "..."  # the top-ranked word is noise
@@ -384,7 +384,7 @@ def generate_samples(
             build, unit, minimum = _vt_builder(cfg, sample_seed, icl, split), "vt", cfg["num_hops"] + 1
         elif kind == "common_words_extraction":
             build, unit = _cwe_builder(cfg, sample_seed, length), "cwe"
-            minimum, maximum = cfg["num_cw"], len(hs.common_words())
+            minimum, maximum = cfg["num_cw"], len(common_words())
         elif kind == "freq_words_extraction":
             build, unit = _fwe_builder(cfg, sample_seed, length), "fwe"
         else:

@@ -1,5 +1,10 @@
-"""RULER (NVIDIA/RULER), generated locally by `eval.ruler` at each length, in tokens of the model's
+"""RULER (NVIDIA/RULER), the 13 tasks generated locally at any length, in tokens of the model's
 tokenizer; the protocol and metrics are in docs/benchmarks.md.
+
+Its home: `constants` (the task table), `needles` (random keys and values), `qa` (SQuAD / HotpotQA
+from the Hub), `tasks` (the builders and `generate_samples`), `scoring` (the reference's string
+match), and here the benchmark and how it is reported. `python -m eval.benchmarks.ruler` prints
+samples.
 
 A length is RULER's sequence length: prompt + the task's new tokens fit in it. qa_1 and qa_2 need the
 Hugging Face Hub: when it cannot be reached they are skipped with one line and the other tasks run.
@@ -10,9 +15,48 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from eval.benchmarks import Benchmark, Sample, register_benchmark
-from eval.ruler import HUB_TASKS, TASK_NAMES, generate_samples
-from eval.ruler.tasks import MIN_LENGTH
+from eval.benchmarks import Benchmark, Report, Sample, register_benchmark
+from eval.benchmarks.ruler.constants import HUB_TASKS, OFFLINE_TASKS, TASK_NAMES, TASKS, max_new_tokens
+from eval.benchmarks.ruler.tasks import MIN_LENGTH, generate_samples
+
+__all__ = [
+    "HUB_TASKS",
+    "OFFLINE_TASKS",
+    "REPORT",
+    "TASKS",
+    "TASK_NAMES",
+    "Ruler",
+    "generate_samples",
+    "max_new_tokens",
+]
+
+# The paper's column headers and task families.
+REPORT = Report(
+    title="RULER",
+    task_labels={
+        "niah_single_1": "S-NIAH-1",
+        "niah_single_2": "S-NIAH-2",
+        "niah_single_3": "S-NIAH-3",
+        "niah_multikey_1": "MK-NIAH-1",
+        "niah_multikey_2": "MK-NIAH-2",
+        "niah_multikey_3": "MK-NIAH-3",
+        "niah_multivalue": "MV-NIAH",
+        "niah_multiquery": "MQ-NIAH",
+        "vt": "VT",
+        "cwe": "CWE",
+        "fwe": "FWE",
+        "qa_1": "QA-1",
+        "qa_2": "QA-2",
+    },
+    families={
+        "Single NIAH": ("niah_single_1", "niah_single_2", "niah_single_3"),
+        "Multi-key NIAH": ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3"),
+        "Multi-value / multi-query NIAH": ("niah_multivalue", "niah_multiquery"),
+        "Variable tracking": ("vt",),
+        "Aggregation (CWE, FWE)": ("cwe", "fwe"),
+        "QA": ("qa_1", "qa_2"),
+    },
+)
 
 
 @register_benchmark
@@ -24,6 +68,10 @@ class Ruler(Benchmark):
     tasks: tuple[str, ...] = TASK_NAMES
     lengths: tuple[int, ...] = (4096,)
     n_samples: int = 50
+
+    @classmethod
+    def report(cls) -> Report:
+        return REPORT
 
     def validate(self) -> list[str]:
         errors = super().validate()
@@ -60,6 +108,6 @@ class Ruler(Benchmark):
         return samples
 
     def score(self, sample: Sample, prediction: str) -> float:
-        from eval.metrics import ruler_score
+        from eval.benchmarks.ruler.scoring import ruler_score
 
         return float(ruler_score(sample["task"], prediction, sample["answers"]))

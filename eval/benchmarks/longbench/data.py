@@ -18,8 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from eval.common import Tokenizer, count_tokens, first_line, quiet_hub, read_jsonl, resolve_tokenizer
-from eval.longbench.constants import (
+from eval.benchmarks.longbench.constants import (
     ALL_DATASETS,
     DEFAULT_MAX_LENGTH,
     E_DATASETS,
@@ -28,6 +27,7 @@ from eval.longbench.constants import (
     NO_CHAT_TEMPLATE,
     PROMPTS,
 )
+from eval.common import Tokenizer, count_tokens, first_line, quiet_hub, read_jsonl, resolve_tokenizer
 
 
 def file_name(dataset: str, e: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""Look at RULER samples: `python -m eval.ruler --task niah_multikey_1 --length 4096 --tokenizer smollm2-135m --n 2`.
+"""Look at RULER samples: `python -m eval.benchmarks.ruler --task niah_multikey_1 --length 4096 --tokenizer smollm2-135m --n 2`.
 
 Prints each sample (input shortened unless --full) with its token counts; --out writes them as jsonl.
 Bad arguments end with one error line and exit status 2, before any tokenizer is loaded.
@@ -11,9 +11,9 @@ import sys
 import time
 
 from eval.benchmarks import SPLITS
+from eval.benchmarks.ruler.constants import TASK_NAMES
+from eval.benchmarks.ruler.tasks import check_arguments, generate_samples
 from eval.common import write_jsonl
-from eval.ruler.constants import TASK_NAMES
-from eval.ruler.tasks import check_arguments, generate_samples
 
 
 def _shorten(text: str, keep: int) -> str:
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m eval.ruler", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m eval.benchmarks.ruler", description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, help=f"one of: {', '.join(TASK_NAMES)}")
     parser.add_argument("--length", required=True, type=int, help="target length in tokens, e.g. 4096")
     parser.add_argument("--tokenizer", default="smollm2-135m", help="a centroidkv model name")
