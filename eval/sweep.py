@@ -5,13 +5,22 @@ cartesian product of the sweep overrides, the launcher's per-job composition), v
 RunConfig, and checks each job's results folder (writable, room for the records, no records of
 another config) and that no two jobs share a folder. Hydra's own errors (an unknown config group, a
 key that does not exist, a malformed override) become one line, like every other config error.
+
+A job folder can still be taken by another run after that check, while the sweep is launching. The
+submitit launchers (`hydra/launcher=submitit_local`, `submitit_slurm` and configs built on them) run
+as `SweepJobs` (below): a job that stops on an error (its folder locked) sends its one line to the
+sweep, which prints it as the job ends; the sweep lets its other jobs finish normally (their records
+whole, the jobs done: no work lost, no process left running), then exits with the highest exit code
+of its jobs (2 for a locked folder).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -28,6 +37,12 @@ from eval.config import (
 )
 from eval.records import JobError, JobStore, check_results_folder
 
+try:  # optional: pip install -e ".[slurm]"
+    from hydra_plugins.hydra_submitit_launcher import config as submitit_config
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+except ImportError:
+    submitit_config = submitit_launcher = None
+
 INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 
 
@@ -41,6 +56,7 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
     from hydra.types import RunMode
 
     store_configs()
+    use_sweep_launchers()
     args = get_args_parser().parse_args(argv)
     if any(getattr(args, flag, None) for flag in INFO_FLAGS):
         return None
@@ -169,3 +185,149 @@ def hydra_error_line(error: BaseException) -> str:
     elif first.startswith("Could not override"):
         detail = "no such key"
     return f"{first} ({detail})" if detail else first
+
+
+# ------------------------------------------------------------------------------ submitit launchers
+@dataclass
+class JobExit:
+    """What a job of a submitit sweep returns instead of exiting (sys.exit) with an error code: the code
+    and the lines the job printed for it (sent to the sweep, which prints them)."""
+
+    code: int
+    lines: list[str]
+
+
+def error_lines(error: BaseException | None) -> list[str]:
+    """The lines scripts/run.py prints for the error a job exits on (empty for any other exit)."""
+    if isinstance(error, ConfigError):
+        return [f"config error: {line}" for line in error.lines]
+    if isinstance(error, JobError):
+        return [f"error: {error}"]
+    return []
+
+
+class SweepJobs:
+    """Mixin for the submitit plugin's launchers: no job of a sweep fails the sweep with a traceback or
+    outlives it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one job (in the job's own process); an exit with an error code becomes a JobExit result.
+        scripts/run.py exits while it handles the job's JobError or ConfigError, which Python keeps as
+        the exit's __context__."""
+        try:
+            return super().__call__(*args, **kwargs)
+        except SystemExit as stop:
+            if not stop.code:
+                raise
+            code = stop.code if isinstance(stop.code, int) else 1
+            return JobExit(code, error_lines(stop.__context__))
+
+    def launch(self, job_overrides, initial_job_idx: int) -> list[Any]:
+        """Submit the jobs as the plugin does, then wait for every one of them, printing the lines of
+        each job that stopped with an error as it ends. Exits with the highest code when any did; an
+        interrupted wait (Ctrl-C) cancels the unfinished jobs and waits for them to end."""
+        import submitit
+        from hydra.core.singleton import Singleton
+        from hydra.core.utils import JobStatus, filter_overrides
+
+        executor = self._executor()
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        submitit_launcher.log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
+        for i, overrides in enumerate(job_overrides):
+            submitit_launcher.log.info(f"\t#{initial_job_idx + i} : {' '.join(filter_overrides(overrides))}")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        if "mode" in self.config.hydra.sweep:
+            os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
+        arguments = [
+            (list(overrides), "hydra.sweep.dir", initial_job_idx + i, f"job_id_for_{initial_job_idx + i}",
+             Singleton.get_state())
+            for i, overrides in enumerate(job_overrides)
+        ]  # fmt: skip
+        jobs = executor.map_array(self, *zip(*arguments))
+        results: dict[int, Any] = {}
+        try:
+            for job in submitit.helpers.as_completed(jobs, poll_frequency=0.5):
+                index = next(i for i, submitted in enumerate(jobs) if submitted is job)
+                results[index] = result = _result_of(job)
+                if isinstance(result, JobExit):
+                    where = (
+                        f"job {initial_job_idx + index} ({' '.join(filter_overrides(job_overrides[index]))})"
+                    )
+                    for line in result.lines or [f"error: {where} exited with code {result.code}"]:
+                        print(line, file=sys.stderr, flush=True)
+        finally:
+            _stop(jobs)  # only an interrupted wait leaves any: they end before the sweep does
+        ordered = [results[index] for index in range(len(jobs))]
+        codes = [result.code for result in ordered if isinstance(result, JobExit)]
+        if codes:
+            for index, result in enumerate(ordered):
+                if getattr(result, "status", None) == JobStatus.FAILED:  # an exception, not an exit
+                    error = result._return_value
+                    print(f"error: job {initial_job_idx + index} raised {type(error).__name__}: {error}",
+                          file=sys.stderr)  # fmt: skip
+                    codes.append(1)
+            sys.exit(max(codes))
+        return ordered
+
+    def _executor(self):
+        """The plugin's executor for this launcher's parameters (as the plugin's own launch builds it)."""
+        import submitit
+
+        init_keys = {"max_num_timeout"}
+        executor = submitit.AutoExecutor(
+            cluster=self._EXECUTOR,
+            folder=self.params["submitit_folder"],
+            **{f"{self._EXECUTOR}_{key}": value for key, value in self.params.items() if key in init_keys},
+        )
+        base_keys = set(OmegaConf.structured(submitit_config.BaseQueueConf).keys())
+        executor.update_parameters(
+            **{
+                key if key in base_keys else f"{self._EXECUTOR}_{key}": value
+                for key, value in self.params.items()
+                if key not in init_keys | {"submitit_folder"}
+            }
+        )
+        return executor
+
+
+def _result_of(job) -> Any:
+    """A finished job's result: its JobReturn, or a JobExit (also for a job killed before it returned)."""
+    from submitit.core.utils import UncompletedJobError
+
+    try:
+        return job.results()[0]
+    except UncompletedJobError:
+        return JobExit(
+            1, [f"error: job {job.job_id} ended without a result (killed?); its log: {job.paths.stderr}"]
+        )
+
+
+def _stop(jobs: list) -> None:
+    """Cancel the jobs still running and wait until they have ended."""
+    unfinished = [job for job in jobs if not job.done()]
+    for job in unfinished:
+        job.cancel(check=False)
+    for job in unfinished:
+        job.wait()
+
+
+def use_sweep_launchers() -> None:
+    """Point the submitit plugin's launcher configs at our launchers (SweepJobs; Hydra takes launchers
+    only from the hydra_plugins package, hence hydra_plugins/centroidkv_launchers). Hydra's plugin
+    scan (once per process) stores the plugin's own configs: ours replace them after it."""
+    if submitit_launcher is None:
+        return
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # the plugin scan
+    from hydra_plugins.centroidkv_launchers.sweep_launchers import LocalLauncher, SlurmLauncher
+
+    for name, schema, launcher in (
+        ("submitit_local", submitit_config.LocalQueueConf, LocalLauncher),
+        ("submitit_slurm", submitit_config.SlurmQueueConf, SlurmLauncher),
+    ):
+        target = f"{launcher.__module__}.{launcher.__qualname__}"
+        ConfigStore.instance().store(
+            group="hydra/launcher", name=name, node=schema(_target_=target), provider="centroidkv"
+        )

@@ -3,20 +3,25 @@ its own job folder, and the sweep's records and tables equal a serial run's.
 
 submitit's local executor runs the same plugin and code path as SLURM (`hydra/launcher=slurm`); Ray
 runs on a local instance (`hydra/launcher=ray_local`). Each test is skipped when its plugin is not
-installed (`pip install -e ".[slurm]"` / `".[ray]"`).
+installed (`pip install -e ".[slurm]"` / `".[ray]"`). A job whose folder another run takes while the
+sweep launches is one line of the sweep, and no process of the sweep outlives it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from eval.records import read_records
+from eval.records import JobStore, read_records, scan_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ["model=tiny-llama", "benchmark=ruler", "benchmark.tasks=[niah_single_1]", "benchmark.lengths=[1024]",
@@ -55,8 +60,13 @@ def serial(tmp_path_factory):
     return sweep(results), tables(results, results / "tables")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
-                    reason="hydra-submitit-launcher is not installed (pip install -e '.[slurm]')")  # fmt: skip
+needs_submitit = pytest.mark.skipif(
+    importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+    reason="hydra-submitit-launcher is not installed (pip install -e '.[slurm]')",
+)
+
+
+@needs_submitit
 def test_submitit_local_sweep_equals_the_serial_one(tmp_path, serial):
     serial_jobs, serial_tables = serial
     jobs = sweep(tmp_path, "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'hydra'}")
@@ -82,3 +92,66 @@ def test_each_job_of_a_sweep_writes_its_own_folder(serial):
     assert sorted(map(sorted, budgets.values())) == [[0.25], [0.5]]
     for records in serial_jobs.values():
         assert sorted((r["method"], r["status"]) for r in records) == [("centroidkv", "ok"), ("full", "ok")]
+
+
+def processes_of_group(group: int) -> list[str]:
+    """The command lines of the live (not zombie) processes of a process group."""
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(process.cmdline()))
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return alive
+
+
+@needs_submitit
+def test_a_job_locked_while_the_sweep_launches_is_one_line_and_no_job_outlives_the_sweep(tmp_path):
+    """The sweep checks every job folder before it launches; here another run takes job 0's folder
+    after that check, before the job starts (a barrier in submitit's `setup` holds both jobs until the
+    lock is taken). Before: exit 1 with a 30-line UncompletedJobError, and job 1 kept running, an
+    orphan. Now: one line naming the folder and its holder, exit 2, and job 1 finishes normally (done,
+    every record whole) before the sweep exits, which leaves no process behind."""
+    from test_hardening import job_dirs
+    from test_job_safety import RUN, TINY, env
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    n_sibling = 30  # samples of job 1: it still runs when job 0 stops (seconds, even on a busy machine)
+    args = ["-m", *TINY, "method=full", f"benchmark.n_samples=1,{n_sibling}", "benchmark.max_new_tokens=2",
+            f"results_dir={tmp_path / 'results'}"]  # fmt: skip
+    locked, sibling = job_dirs(args)
+    barrier = f"touch {gate}/started-$$; while [ ! -e {gate}/go ]; do sleep 0.05; done"
+    sweep = subprocess.Popen(
+        [*RUN, *args, "hydra/launcher=submitit_local", f"hydra.sweep.dir={tmp_path / 'hydra'}",
+         f'+hydra.launcher.setup=["{barrier}"]'],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
+        start_new_session=True,  # its own process group: every process it starts is in it
+    )  # fmt: skip
+    store = JobStore(locked)
+    try:
+        while len(list(gate.glob("started-*"))) < 2:  # both jobs launched, neither started
+            assert sweep.poll() is None, sweep.stderr.read()[-3000:]
+            time.sleep(0.05)
+        store.lock()
+        (gate / "go").touch()
+        _, stderr = sweep.communicate(timeout=600)
+        left = processes_of_group(sweep.pid)
+    finally:
+        store.unlock()
+        sweep.kill()
+        try:
+            os.killpg(sweep.pid, signal.SIGKILL)  # clean up after a failure: an orphan would still run
+        except ProcessLookupError:
+            pass
+    assert sweep.returncode == 2, stderr[-3000:]
+    (line,) = [line for line in stderr.splitlines() if line.strip()]
+    assert line.startswith(
+        f"error: {locked} is being run by pid {os.getpid()} on host {socket.gethostname()} "
+    )
+    assert line.endswith("; wait for it or stop it")
+    assert left == []
+    assert not (locked / "records.jsonl").exists()  # the locked job wrote nothing
+    found = scan_records(sibling / "records.jsonl")
+    assert (sibling / "done.json").exists() and len(found.records) == n_sibling and found.n_dropped == 0
