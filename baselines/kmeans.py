@@ -24,12 +24,24 @@ Per (batch, KV head), on the keys of the mergeable middle, k = target_len cluste
    log_degree = log(sum of degrees), accumulated attention summed; ordered by first member.
 
 The assignment is computed in blocks of tokens when the [n, k] similarity matrix of all heads
-would exceed `block_elements` (a memory bound, not an algorithmic loop).
+would exceed `BLOCK_ELEMENTS` (a memory bound, not an algorithmic loop).
+
+After the first iteration only the centroids that moved are scored again (`update_nearest`): an
+unmoved centroid (bitwise the same) keeps its similarities, so a token's best centroid can only
+change to a moved one, or to any centroid when its own moved. On SmolLM2 at 4k the second
+iteration moves most centroids and the later ones a few percent, so this cuts the similarity
+products of a compression to about 2-3 full ones. The result is the same bit for bit as long as
+one similarity does not depend on the other rows and columns of its matrix product. MKL on CPU
+behaves so from 3 rows on (1 or 2 rows take another kernel that rounds differently, hence
+`MIN_SUBSET`; tests/test_kmeans_speed.py checks it against the plain implementation); GPU
+libraries choose kernels by shape, so on a GPU every iteration scores all centroids, and so
+does every iteration with `stop_at_fixed_point=False`.
 
 Parameters:
   iterations: Lloyd iterations (default 10, the setting the paper's speed comparison quotes).
-  stop_at_fixed_point: end early once an iteration changes no assignment (same result, less time;
-    `scripts/bench_kmeans.py` turns it off to time all iterations as the paper does).
+  stop_at_fixed_point: skip the work that cannot change the result: end once an iteration changes
+    no assignment, and rescore only the centroids that moved (same result, less time). False runs
+    every iteration in full, as the paper times it (`scripts/bench_kmeans.py`).
   init: "uniform" or "random".
   seed: seed of the "random" init.
   cosine: spherical (True) or Euclidean (False) K-Means.
@@ -49,6 +61,7 @@ from centroidkv.needs import pool_extras
 
 INITS = ("uniform", "random")
 BLOCK_ELEMENTS = 1 << 26
+MIN_SUBSET = 64  # rows and columns of the smallest partial product (see the module docstring)
 
 
 def initial_seeds(batch: int, heads: int, length: int, k: int, init: str, seed: int, device) -> Tensor:
@@ -65,21 +78,80 @@ def initial_seeds(batch: int, heads: int, length: int, k: int, init: str, seed: 
     )
 
 
-def assign(points: Tensor, centroids: Tensor, cosine: bool) -> tuple[Tensor, Tensor]:
-    """Nearest centroid of every point: (cluster [B, H, n], fitness [B, H, n], higher = closer)."""
-    batch, heads, length, _ = points.shape
-    block = max(1, BLOCK_ELEMENTS // max(1, batch * heads * centroids.shape[2]))
-    clusters, fitness = [], []
-    for start in range(0, length, block):  # bounds memory only; one block when it fits
-        part = points[:, :, start : start + block]
-        if cosine:
-            score = part @ centroids.transpose(-1, -2)
-        else:  # -||x - c||^2 up to the constant ||x||^2, which does not change the argmax
-            score = 2 * part @ centroids.transpose(-1, -2) - centroids.square().sum(-1).unsqueeze(-2)
-        best, index = score.max(dim=-1)
-        clusters.append(index)
-        fitness.append(best if cosine else best - part.square().sum(-1))
-    return torch.cat(clusters, dim=-1), torch.cat(fitness, dim=-1)
+def scores(points: Tensor, centroids: Tensor, cosine: bool) -> Tensor:
+    """[B, H, n, k] similarity of every point to every centroid (higher = closer)."""
+    if cosine:
+        return points @ centroids.transpose(-1, -2)
+    # -||x - c||^2 up to the constant ||x||^2, which does not change the argmax
+    return 2 * points @ centroids.transpose(-1, -2) - centroids.square().sum(-1).unsqueeze(-2)
+
+
+def row_block(points: Tensor, n_centroids: int) -> int:
+    """Points per block of the similarity matrix (all of them when it fits in `BLOCK_ELEMENTS`)."""
+    batch, heads = points.shape[:2]
+    return max(1, BLOCK_ELEMENTS // max(1, batch * heads * n_centroids))
+
+
+def nearest(
+    points: Tensor, centroids: Tensor, cosine: bool, block: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Most similar centroid of every point: (best score [B, H, n], its centroid [B, H, n]); ties
+    go to the lowest centroid index. `block`: points per matrix product (default: `row_block`)."""
+    block = block or row_block(points, centroids.shape[2])
+    best, index = [], []
+    for start in range(0, points.shape[2], block):  # bounds memory only; one block when it fits
+        block_best, block_index = scores(points[:, :, start : start + block], centroids, cosine).max(dim=-1)
+        best.append(block_best)
+        index.append(block_index)
+    return torch.cat(best, dim=-1), torch.cat(index, dim=-1)
+
+
+def first_true(mask: Tensor, count: int) -> Tensor:
+    """[B, H, count] indices along the last dim: those where `mask` holds first (ascending), then
+    the others (ascending) to fill up to `count`."""
+    return mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :count]
+
+
+def update_nearest(
+    points: Tensor, centroids: Tensor, moved: Tensor, best: Tensor, index: Tensor, cosine: bool
+) -> tuple[Tensor, Tensor]:
+    """`nearest(points, centroids)` from the previous iteration's (best, index), scoring only what
+    the centroids that `moved` ([B, H, k], bool) can change; the result is bitwise the same.
+
+    Every point is scored against the moved centroids (an unmoved one keeps its score, so the old
+    best stands unless a moved centroid beats or ties it at a lower index), and the points whose
+    own centroid moved against all centroids. Subsets are padded with other centroids or points,
+    which changes nothing: an unmoved centroid never beats the old best, a point scored against
+    all centroids gets its true nearest. Every product keeps at least `MIN_SUBSET` rows, or the
+    rows `nearest` gives it, so that each score comes from the same kernel as in `nearest`.
+    """
+    length, k = points.shape[2], centroids.shape[2]
+    block = row_block(points, k)
+    if block < MIN_SUBSET or 0 < length % block < MIN_SUBSET:  # `nearest` has a short block
+        return nearest(points, centroids, cosine)
+    n_columns = max(int(moved.sum(dim=-1).max()), MIN_SUBSET)
+    lost = moved.gather(2, index)  # the point's own centroid moved: its old best is gone
+    n_rows = max(int(lost.sum(dim=-1).max()), MIN_SUBSET)
+    if n_rows > block:  # whole blocks only
+        n_rows = -(-n_rows // block) * block
+    if length * n_columns + n_rows * k >= length * k:  # nothing to save
+        return nearest(points, centroids, cosine)
+
+    columns = first_true(moved, n_columns)  # [B, H, c] moved centroids first
+    picked = centroids.gather(2, columns.unsqueeze(-1).expand(-1, -1, -1, centroids.shape[-1]))
+    moved_best, moved_at = nearest(points, picked, cosine, block)
+    moved_index = columns.gather(2, moved_at)
+    rows = first_true(lost, n_rows)  # [B, H, r] points that lost their centroid first
+    picked_points = points.gather(2, rows.unsqueeze(-1).expand(-1, -1, -1, points.shape[-1]))
+    row_best, row_index = nearest(picked_points, centroids, cosine, block)
+    if bool(moved_best.isnan().any() | row_best.isnan().any()):  # max() propagates NaN: score all
+        return nearest(points, centroids, cosine)
+
+    beaten = moved_best > best
+    tied = moved_best == best
+    index = torch.where(beaten, moved_index, torch.where(tied, torch.minimum(moved_index, index), index))
+    best = torch.where(beaten, moved_best, best)
+    return best.scatter(2, rows, row_best), index.scatter(2, rows, row_index)
 
 
 def first_members(cluster: Tensor, k: int) -> Tensor:
@@ -132,19 +204,27 @@ def kmeans_compress(
     points = F.normalize(kv.keys.float(), dim=-1) if cosine else kv.keys.float()
     seeds = initial_seeds(batch, heads, length, k, init, seed, kv.keys.device)
     centroids = points.gather(2, seeds.unsqueeze(-1).expand(-1, -1, -1, points.shape[-1]))
-    previous = None
+    squared_norm = None if cosine else points.square().sum(-1)
+    rescore_moved_only = stop_at_fixed_point and points.device.type == "cpu"
+    previous = moved = None
     for _ in range(iterations):
-        cluster, fitness = assign(points, centroids, cosine)
-        cluster = fill_empty_clusters(cluster, fitness, k)
+        if moved is None or not rescore_moved_only:
+            best, index = nearest(points, centroids, cosine)
+        else:
+            best, index = update_nearest(points, centroids, moved, best, index, cosine)
+        fitness = best if cosine else best - squared_norm
+        cluster = fill_empty_clusters(index, fitness, k)
         if stop_at_fixed_point and previous is not None and torch.equal(cluster, previous):
             break  # the centroids below would come out as they are: nothing changes any more
         previous = cluster
         sums = cluster_sums(points, cluster, degree, k)
         if cosine:
-            centroids = F.normalize(sums, dim=-1)
+            moved_to = F.normalize(sums, dim=-1)
         else:
             mass = torch.zeros(batch, heads, k, device=degree.device).scatter_add_(2, cluster, degree)
-            centroids = sums / mass.unsqueeze(-1)
+            moved_to = sums / mass.unsqueeze(-1)
+        moved = (moved_to != centroids).any(dim=-1)
+        centroids = moved_to
 
     total_degree = torch.zeros(batch, heads, k, device=degree.device).scatter_add_(2, cluster, degree)
     keys = cluster_sums(kv.keys, cluster, degree, k) / total_degree.unsqueeze(-1)
