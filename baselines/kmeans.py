@@ -223,7 +223,7 @@ def kmeans_compress(
         else:
             mass = torch.zeros(batch, heads, k, device=degree.device).scatter_add_(2, cluster, degree)
             moved_to = sums / mass.unsqueeze(-1)
-        moved = (moved_to != centroids).any(dim=-1)
+        moved = (moved_to.view(torch.int32) != centroids.view(torch.int32)).any(dim=-1)  # bits, not values
         centroids = moved_to
 
     total_degree = torch.zeros(batch, heads, k, device=degree.device).scatter_add_(2, cluster, degree)
