@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from centroidkv.model_names import EMBEDDED_MODEL
 from eval.benchmarks import Benchmark, Report, Sample, check_split, register_benchmark, split_seed
 from eval.benchmarks.ruler.constants import NEEDLE, max_new_tokens
 from eval.benchmarks.ruler.needles import random_key_word, random_number
@@ -51,7 +52,7 @@ def _builder(seed: str, depth: float, split: str):
 def generate_niah(
     lengths: Sequence[int],
     depths: Sequence[float] = DEFAULT_DEPTHS,
-    tokenizer: Tokenizer | str = "smollm2-135m",
+    tokenizer: Tokenizer | str = EMBEDDED_MODEL,
     seed: int = 0,
     n: int = 1,
     progress: bool = True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from centroidkv.errors import first_line
 from eval.benchmarks import Benchmark, Report, Sample, register_benchmark
 from eval.benchmarks.ruler.constants import HUB_TASKS, OFFLINE_TASKS, TASK_NAMES, TASKS, max_new_tokens
 from eval.benchmarks.ruler.tasks import MIN_LENGTH, generate_samples
@@ -100,7 +101,7 @@ class Ruler(Benchmark):
                 except RuntimeError as error:  # the hub tasks without the hub: skip them, run the others
                     if task not in HUB_TASKS:
                         raise
-                    print(f"[skip] {task}: {str(error).splitlines()[0]}", file=sys.stderr)
+                    print(f"[skip] {task}: {first_line(error)}", file=sys.stderr)
                     continue
                 samples.extend({**sample, "length": length} for sample in generated)
         if not samples:

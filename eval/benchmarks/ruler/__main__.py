@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 
+from centroidkv.model_names import EMBEDDED_MODEL
 from eval.benchmarks import SPLITS
 from eval.benchmarks.ruler.constants import TASK_NAMES
 from eval.benchmarks.ruler.tasks import check_arguments, generate_samples
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m eval.benchmarks.ruler", description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, help=f"one of: {', '.join(TASK_NAMES)}")
     parser.add_argument("--length", required=True, type=int, help="target length in tokens, e.g. 4096")
-    parser.add_argument("--tokenizer", default="smollm2-135m", help="a centroidkv model name")
+    parser.add_argument("--tokenizer", default=EMBEDDED_MODEL, help="a centroidkv model name")
     parser.add_argument("--n", type=int, default=1, help="number of samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
