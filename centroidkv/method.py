@@ -45,8 +45,9 @@ SIMILARITIES = ("post_rope", "pre_rope")
 SCHEDULES = ("linear", "adaptive")
 
 
-def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
-    """Keys [B, H, T, D] rotated back by their (possibly fractional) positions [B, H, T], float32.
+def undo_rope(keys: Tensor, positions: Tensor, rotary, unit: bool = False) -> Tensor:
+    """Keys [B, H, T, D] rotated back by their (possibly fractional) positions [B, H, T], float32;
+    with `unit`, also scaled to unit length (the matching keys of pre-RoPE similarity).
 
     Uses the model's own rotary embedding module's frequencies (`rotary.inv_freq`, in which scaled
     variants such as Llama-3's are already applied) and transformers' Llama/Mistral/Qwen2 layout, where
@@ -61,8 +62,10 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary) -> Tensor:
     rotated_1, rotated_2 = keys.float().chunk(2, dim=-1)
     unrotated = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
     first, second = unrotated.chunk(2, dim=-1)
-    torch.addcmul(rotated_1 * cos, rotated_2, sin, out=first)
-    torch.addcmul(rotated_2 * cos, rotated_1, sin, value=-1, out=second)
+    torch.mul(rotated_1, cos, out=first).addcmul_(rotated_2, sin)
+    torch.mul(rotated_2, cos, out=second).addcmul_(rotated_1, sin, value=-1)
+    if unit:  # in the same buffer: what F.normalize(unrotated) gives, bit for bit, without a copy
+        unrotated.div_(torch.linalg.vector_norm(unrotated, dim=-1, keepdim=True).clamp_(min=1e-12))
     return unrotated
 
 
@@ -192,7 +195,7 @@ class CentroidKV(Method):
         return LinearSchedule(self.r_init, self.delta_r, self.r_min)
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
-        match_keys = None
+        unit_match_keys = None
         if self.similarity == "pre_rope":
             if stats.rotary is None or "position" not in kv.extras:
                 raise ValueError(
@@ -200,7 +203,9 @@ class CentroidKV(Method):
                     "positions (a cache on a model prepared by centroidkv)"
                 )
 
-            def match_keys(keys: Tensor, records: dict[str, Tensor]) -> Tensor:
-                return undo_rope(keys, records["position"], stats.rotary)
+            def unit_match_keys(keys: Tensor, records: dict[str, Tensor]) -> Tensor:
+                return undo_rope(keys, records["position"], stats.rotary, unit=True)
 
-        return csm_compress(kv, target_len, self.chunk_size, self.merge_schedule, match_keys=match_keys)
+        return csm_compress(
+            kv, target_len, self.chunk_size, self.merge_schedule, unit_match_keys=unit_match_keys
+        )

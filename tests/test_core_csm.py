@@ -6,9 +6,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from centroidkv.csm import csm_compress, match_within_chunks, merge_tokens
+import centroidkv.method
+from centroidkv import get_method
+from centroidkv.csm import (
+    chunk_edges,
+    csm_compress,
+    match_within_chunks,
+    merge_tokens,
+    padded_rows,
+    top_edges,
+    unit_rows,
+)
+from centroidkv.decoding import generate_from, prefill
 from centroidkv.methods import LayerKV
+from centroidkv.needs import merge_rule
 from centroidkv.schedule import LinearSchedule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_kv(batch=1, heads=2, length=40, dim=8, seed=0) -> LayerKV:
@@ -153,3 +167,119 @@ def test_half_precision_stays_finite_with_huge_degrees(dtype):
     assert out.keys.dtype == dtype
     assert torch.isfinite(out.keys).all() and torch.isfinite(out.values).all()
     torch.testing.assert_close(out.log_degree.exp().sum(-1), torch.full((1, 2), 64 * 1e5), rtol=1e-5, atol=0)
+
+
+# The reference: CSM as first written, every tensor (values included) merged and compacted round by
+# round, and the matching keys of all entries recomputed every round.
+
+
+def reference_merge(kv: LayerKV, src: torch.Tensor, dst: torch.Tensor) -> LayerKV:
+    """Merge `src` into `dst` ([B, H, M]): x_b + sum_a w_a (x_a - x_b), w_a = n_a / (n_b + sum n_a), for
+    keys, values and "mean" records; "sum" records add up; then keep the survivors, in order."""
+    degree = kv.log_degree.float().exp()
+    new_degree = degree.scatter_add(2, dst, degree.gather(2, src))
+    weight = degree.gather(2, src) / new_degree.gather(2, dst)
+
+    def average(x: torch.Tensor) -> torch.Tensor:  # x [B, H, T, D]
+        def rows(positions):
+            return positions.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
+
+        delta = (x.gather(2, rows(src)).float() - x.gather(2, rows(dst)).float()) * weight.unsqueeze(-1)
+        return x.float().scatter_add(2, rows(dst), delta).to(x.dtype)
+
+    extras = {
+        name: average(record.unsqueeze(-1)).squeeze(-1)
+        if merge_rule(name) == "mean"
+        else record.scatter_add(2, dst, record.gather(2, src))
+        for name, record in kv.extras.items()
+    }
+    merged = LayerKV(average(kv.keys), average(kv.values), new_degree.log(), extras)
+    kept = torch.ones(kv.log_degree.shape, dtype=torch.bool).scatter(2, src, False)
+    return merged.select(kept.nonzero()[:, 2].view(*kept.shape[:2], -1))
+
+
+def reference_compress(kv, target_len, chunk_size, schedule, max_rounds=256, unit_match_keys=None):
+    unit_match_keys = unit_match_keys or (lambda keys, records: unit_rows(keys))
+    for round_idx in range(max_rounds):
+        excess = kv.length - target_len
+        if excess <= 0:
+            return kv
+        unit_keys = padded_rows(unit_match_keys(kv.keys, kv.extras), chunk_size)
+        best_score, best_dst = chunk_edges(unit_keys, chunk_size, kv.length)
+        n_merge = schedule.merge_count(round_idx, best_score, kv.length // 2, excess)
+        kv = reference_merge(kv, *top_edges(best_score, best_dst, n_merge))
+    raise RuntimeError("no convergence")
+
+
+def test_pooled_values_equal_the_round_by_round_merge(monkeypatch):
+    """Values (and records) pooled once from the tokens equal merging them every round: same
+    entries, same degrees; the merges of each round are replayed on the reference."""
+    import centroidkv.csm as csm
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, length = 2, 3, 300
+    kv = LayerKV(
+        torch.randn(batch, heads, length, 16, generator=gen).cumsum(2) * 0.2,  # neighbours alike
+        torch.randn(batch, heads, length, 16, generator=gen),
+        torch.randint(1, 4, (batch, heads, length), generator=gen).float().log(),  # degrees 1 to 3
+        {
+            "position": torch.arange(length).float().expand(batch, heads, length).contiguous(),
+            "attention_sum": torch.rand(batch, heads, length, generator=gen),
+        },
+    )
+    rounds = []
+    real_merge = csm.Centroids.merge
+
+    def recording_merge(centroids, src, dst):
+        rounds.append((src, dst))
+        return real_merge(centroids, src, dst)
+
+    monkeypatch.setattr(csm.Centroids, "merge", recording_merge)
+    pooled = csm_compress(kv, 60, chunk_size=32, schedule=LinearSchedule(0.6, 0.1, 0.2))
+    assert len(rounds) > 2
+    expected = kv
+    for src, dst in rounds:
+        expected = reference_merge(expected, src, dst)
+    degrees = pooled.log_degree.exp().round()  # integer degrees: the same members
+    assert torch.equal(degrees, expected.log_degree.exp().round())
+    assert degrees.max() > 5, "centroids of several rounds"
+    torch.testing.assert_close(pooled.log_degree, expected.log_degree)
+    torch.testing.assert_close(pooled.keys, expected.keys)
+    torch.testing.assert_close(pooled.values, expected.values)
+    for name in kv.extras:
+        torch.testing.assert_close(pooled.extras[name], expected.extras[name])
+    # ... and the matching is that of recomputing every entry's matching keys every round
+    again = reference_compress(kv, 60, 32, LinearSchedule(0.6, 0.1, 0.2))
+    assert torch.equal(again.log_degree.exp().round(), degrees)
+
+
+def test_embedded_model_greedy_tokens_equal_the_reference_merging(embedded, monkeypatch):
+    """SmolLM2-135M, a ~2k-token essay prompt compressed to 25 % (pre-RoPE similarity, adaptive
+    schedule): the kept entries and 24 greedy tokens equal those of the reference merging."""
+    from eval.text import essay_text
+
+    model, tokenizer = embedded
+    ids = tokenizer(essay_text(1800), return_tensors="pt").input_ids[:, :2000]
+    assert ids.shape[1] == 2000
+    method = get_method("centroidkv", outlier_heads="none")
+    prefilled = prefill(model, ids, max_new_tokens=24, needs=method.needs())
+    pooled_cache = prefilled.cache.fork(method, 0.25, 24)
+    pooled = generate_from(model, prefilled, method, 0.25, 24)
+
+    calls = []
+
+    def reference(*args, **kwargs):
+        calls.append(args[1])
+        return reference_compress(*args, **kwargs)
+
+    monkeypatch.setattr(centroidkv.method, "csm_compress", reference)
+    expected_cache = prefilled.cache.fork(method, 0.25, 24)
+    expected = generate_from(model, prefilled, method, 0.25, 24)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the reference compressed every layer
+    for ours, theirs in zip(pooled_cache.layers, expected_cache.layers, strict=True):
+        assert torch.equal(ours.log_degree.exp().round(), theirs.log_degree.exp().round())
+        torch.testing.assert_close(ours.keys, theirs.keys)
+        torch.testing.assert_close(ours.values, theirs.values)
+    assert pooled.seq_lengths == expected.seq_lengths
+    assert pooled.n_decode_steps == expected.n_decode_steps == 23
+    assert pooled.tokens == expected.tokens
