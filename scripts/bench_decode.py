@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from centroidkv.csm import csm_round
 from centroidkv.methods import LayerKV
 from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
+from eval.text import NOISE
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = NOISE + " "  # the noise sentences, ready to repeat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def noise_prompt(tokenizer, length: int) -> torch.Tensor:
     """A prompt of exactly `length` tokens of RULER's noise haystack."""
-    ids = tokenizer(NOISE * (length // 10), add_special_tokens=False).input_ids
+    ids = tokenizer(FILLER * (length // 10), add_special_tokens=False).input_ids
     if len(ids) < length:
         raise ValueError(f"noise text too short for {length} tokens")
     return torch.tensor([ids[:length]])

@@ -6,8 +6,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from centroidkv import CompressedCache, get_method
 from centroidkv.decoding import generate_from, prefill
 from centroidkv.models import _embedded_dir
+from eval.text import NOISE
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = NOISE + " "  # the noise sentences, ready to repeat
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
@@ -18,7 +19,7 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
 
 
 def needle_prompt(tokenizer) -> torch.Tensor:
-    context = NOISE * 12 + "The special magic number for quiet-river is: 4827361. " + NOISE * 12
+    context = FILLER * 12 + "The special magic number for quiet-river is: 4827361. " + FILLER * 12
     return chat_ids(tokenizer, context + "\nWhat is the special magic number for quiet-river?")
 
 
@@ -69,7 +70,7 @@ def test_compressed_generation_on_real_keys(embedded):
 def test_question_after_compressed_context_matches_token_by_token(embedded):
     """Context-only protocol on the real model: a multi-token question step over a compressed cache."""
     model, tokenizer = embedded
-    context = tokenizer(NOISE * 20, return_tensors="pt").input_ids
+    context = tokenizer(FILLER * 20, return_tensors="pt").input_ids
     question = tokenizer(
         " What colour is the sky? Answer:", add_special_tokens=False, return_tensors="pt"
     ).input_ids
