@@ -131,8 +131,10 @@ def test_a_job_locked_while_the_sweep_launches_is_one_line_and_no_job_outlives_t
     )  # fmt: skip
     store = JobStore(locked)
     try:
+        deadline = time.time() + 600
         while len(list(gate.glob("started-*"))) < 2:  # both jobs launched, neither started
             assert sweep.poll() is None, sweep.stderr.read()[-3000:]
+            assert time.time() < deadline, "the sweep launched no job in 10 minutes"
             time.sleep(0.05)
         store.lock()
         (gate / "go").touch()
