@@ -243,10 +243,11 @@ def csm_compress(
 
     `unit_match_keys(keys, records)` gives the unit-length float32 keys similarity is computed on,
     from entries' cached keys [B, H, K, D] and entry records [B, H, K] (default: the cached keys
-    scaled to unit length); merging always averages the cached keys and values. The matching keys
-    are computed once and then follow the merges: the survivors keep theirs and only each round's
-    centroids are recomputed, which equals recomputing them all, at a fraction of the cost. Each
-    round compacts them into the other of two buffers, so no round allocates a full-size tensor.
+    scaled to unit length), as a new tensor (it becomes a work buffer); merging always averages the
+    cached keys and values. The matching keys are computed once and then follow the merges: the
+    survivors keep theirs and only each round's centroids are recomputed, which equals recomputing
+    them all, at a fraction of the cost. Each round compacts them into the other of two buffers, so
+    no round allocates a full-size tensor; values are pooled once at the end (`Centroids`).
     """
     unit_match_keys = unit_match_keys or (lambda keys, records: unit_rows(keys))
     centroids = Centroids(kv)
@@ -262,8 +263,9 @@ def csm_compress(
         n_merge = schedule.merge_count(round_idx, best_score, n_pairs, excess)
         src, dst = top_edges(best_score, best_dst, n_merge)
         survivors, new_dst = centroids.merge(src, dst)
-        unit_keys, spare = compact(unit_keys, survivors, chunk_size, out=spare), unit_keys
-        put(unit_keys, new_dst, unit_match_keys(*centroids.keys_and_records(new_dst)))
+        if centroids.length > target_len:  # another round will match on these keys
+            unit_keys, spare = compact(unit_keys, survivors, chunk_size, out=spare), unit_keys
+            put(unit_keys, new_dst, unit_match_keys(*centroids.keys_and_records(new_dst)))
     raise RuntimeError(f"CSM did not reach {target_len} tokens in {max_rounds} rounds")
 
 
