@@ -28,23 +28,22 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.methods import method_label, method_variant  # noqa: E402
-from eval.benchmarks import benchmark_report  # noqa: E402
+from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
-# which samples run while every record names the sample it holds (task, length, depth, sample_id), so
-# a table is the same whether those samples ran in one job or in several. Every other identity key
-# changes the numbers: records that differ in one are different configurations and get their own rows.
-NON_SPLITTING_KEYS = frozenset(
-    {
-        "results_dir",  # where the job folder is written
-        "experiment_name",  # which folder groups the jobs (tables are made per experiment anyway)
-        "benchmark.n_samples",  # how many samples per task and length run
-        "benchmark.tasks",  # which tasks run: each record names its task, a table has a column per task
-        "benchmark.lengths",  # which context lengths run: each record names its length (captions list them)
-        "benchmark.depths",  # which needle depths run: each record names its depth
-        "benchmark.data_dir",  # where a published set's files are read from, not what they hold
-    }
+# which samples run while every record names the sample it holds (the benchmarks' `sample_choice`:
+# tasks, lengths, n_samples, ...), so a table is the same whether those samples ran in one job or in
+# several. Every other identity key changes the numbers: records that differ in one are different
+# configurations and get their own rows.
+NON_SPLITTING_KEYS = (
+    frozenset(
+        {
+            "results_dir",  # where the job folder is written
+            "experiment_name",  # which folder groups the jobs (tables are made per experiment anyway)
+        }
+    )
+    | sample_choice_keys()
 )
 # Record fields that change the numbers, for jobs whose saved identity (or missing config.yaml)
 # predates them: field -> (identity key, value when the record lacks the field).

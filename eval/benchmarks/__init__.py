@@ -17,6 +17,10 @@ generator, constants, scorer). Adding one is one module here:
         def load(self, tokenizer) -> list[Sample]: ...
         def score(self, sample: Sample, prediction: str) -> float: ...
 
+        @classmethod  # optional: without it, the default report titled "mybench"
+        def report(cls) -> Report:
+            return Report(title="My bench", task_labels={"a": "A", "b": "B"})
+
 A sample is a dict with at least `task`, `length`, `input` (the user message), `answers` and
 `max_new_tokens`; `context`/`question` (the context-only protocol), `answer_prefix`,
 `use_chat_template`, `index`, `depth` are optional. Packages outside this repository register theirs
@@ -137,6 +141,10 @@ class Benchmark:
     # True when a length is the sample's prompt + new tokens in tokens (the protected-window check
     # against the budget then runs at validation, before any model loads).
     length_is_tokens: ClassVar[bool] = False
+    # Parameters that only choose which samples run (every record names the sample it holds: task,
+    # length, depth, sample_id) or where they are read from, never what a sample scores: jobs that
+    # differ only in them are one configuration in the tables (`scripts/tables.py`).
+    sample_choice: ClassVar[frozenset[str]] = frozenset({"n_samples", "tasks", "lengths"})
 
     tasks: tuple[str, ...] = ()
     lengths: tuple[int, ...] = ()
@@ -248,6 +256,12 @@ def _discover() -> None:
 def benchmark_names() -> list[str]:
     _discover()
     return sorted(REGISTRY)
+
+
+def sample_choice_keys() -> frozenset[str]:
+    """The identity keys (`benchmark.<parameter>`) of every registered benchmark's `sample_choice`."""
+    _discover()
+    return frozenset(f"benchmark.{key}" for cls in REGISTRY.values() for key in cls.sample_choice)
 
 
 def benchmark_report(name: str) -> Report:

@@ -135,6 +135,7 @@ def _mean(values: list[float]) -> float:
 class Niah(Benchmark):
     name = "niah"
     length_is_tokens = True
+    sample_choice = Benchmark.sample_choice | {"depths"}  # each record names its depth
 
     tasks: tuple[str, ...] = ("niah",)
     lengths: tuple[int, ...] = (1024, 2048, 4096)

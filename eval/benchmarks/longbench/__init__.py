@@ -24,6 +24,7 @@ from eval.benchmarks.longbench.constants import E_DATASETS, EN_DATASETS
 @dataclass(frozen=True)
 class LongBench(Benchmark):
     name = "longbench"
+    sample_choice = Benchmark.sample_choice | {"data_dir"}  # where the files are read, not what they hold
 
     tasks: tuple[str, ...] = EN_DATASETS
     lengths: tuple[int, ...] = (31500,)
