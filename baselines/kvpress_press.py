@@ -5,11 +5,19 @@ methods ("presses"). Paper: each press cites its own in its kvpress docstring (e
 Li et al., arXiv 2404.14469). Install with `pip install -e ".[kvpress]"`.
 
 How it runs:
-- A press compresses inside the prefill forward, through its own forward hooks on the attention
-  layers, on this harness's model (our attention runs under kvpress's attention wrapper) and on this
-  harness's `CompressedCache`. So prefill sharing does not apply: a press gets its own prefill per
-  (sample, budget) (`compresses_in_prefill`; native methods of the same job still share theirs),
-  and its compression time is part of `prefill_s` (its `compress_s` is 0).
+- A press compresses inside a prefill forward, through its own forward hook on each attention layer,
+  on this harness's model (our attention runs under kvpress's attention wrapper) and on this
+  harness's `CompressedCache`. With `share_prefill` (the default) one prefill of the context serves
+  every press and budget of a job: after each layer, each press runs its own hook on that layer's
+  call against its own fork of the cache (`PressTap`, a `centroidkv.decoding.PrefillTap`), while
+  the prefill goes on with the full cache. A press's hook only ever changes the cache after the
+  layer's attention, so the forward is the same as in a prefill of its own and so is what the press
+  keeps (tests/test_shared_prefill.py). Its compression time is its `compress_s`. Presses that do
+  more than hook one forward (extra passes, a pipeline's delimiter, decoding state: `OWN_PREFILL`,
+  with the reasons) and every press under `share_prefill=false` get their own prefill per
+  (sample, budget), kvpress's own way: there the compression is part of `prefill_s`.
+  Presses that draw random numbers draw them from a generator seeded with PRESS_SEED at the start
+  of their prefill, shared or not, so their runs repeat.
 - Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
   is fed and the answer decoded on the compressed cache. Records of a press always say
   `protocol: context_only`.
@@ -47,7 +55,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from centroidkv.attention import attention_modules
 from centroidkv.budget import budget_entries
+from centroidkv.errors import first_line
 from centroidkv.methods import LayerKV, LayerStats, Method, register
 
 EXTRA = 'kvpress is not installed: pip install -e ".[kvpress]"'
@@ -85,8 +98,26 @@ ZOO_SKIPS = {
     "KVgradPress": "runs extra passes on a read-only copy of the cache that the degree-aware attention "
     "cannot read",
 }
-# Wrappers need an inner press; the zoo wraps SnapKVPress (whose native twin is cross-checked).
-ZOO_INNER = "SnapKVPress"
+# Presses that cannot compress during a prefill shared with other presses (`share_prefill`), with the
+# reason: they keep a prefill of their own. Every press whose class has its own `__call__` (it does more
+# than hook the attention layers of one forward) must be here (tests/test_kvpress_methods.py checks it).
+OWN_PREFILL = {
+    "KVzipPress": "runs extra forward passes of its own (it reconstructs the context from the cache)",
+    "FastKVzipPress": "runs its own gates over the whole forward",
+    "FinchPress": "needs the context/question delimiter that kvpress's pipeline inserts into the prompt",
+    "KVComposePress": "runs its own extra pass over the prompt",
+    "KVgradPress": "runs extra passes on a copy of the cache",
+    "RestoreKVPress": "runs an extra restore pass over the cache (a KVzip variant)",
+    "PrefillDecodingPress": "its decoding half keeps per-layer state from the prefill to the decoding",
+    "DecodingPress": "compresses during decoding only",
+    "CAMPress": "compresses during decoding only",
+    "CompressionRatioDecodingPress": "compresses during decoding only",
+}
+# The seed of the global random generator at the start of every press's prefill, so that presses
+# that draw random numbers (RandomPress without a seed, LeverageScorePress, CompactorPress) draw the
+# same ones whether they share the prefill or not, and from one run to the next.
+PRESS_SEED = 0
+
 
 
 def import_kvpress():
@@ -158,7 +189,7 @@ def construct_press(name: str, params: dict[str, Any], ratio: float):
     try:
         return cls(**kwargs)
     except Exception as error:  # kvpress validates with asserts and its constructors' own errors
-        raise ValueError(f"kvpress {name}: {_first_line(error)}") from None
+        raise ValueError(f"kvpress {name}: {first_line(error)}") from None
 
 
 def check_param_types(name: str, cls: type, params: dict[str, Any]) -> None:
@@ -234,8 +265,94 @@ def build_press(name: str, params: dict[str, Any], ratio: float):
     return press
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+def inner_presses(press) -> Iterator[Any]:
+    """`press` and every press it wraps (fields press, base_press, prefilling_press, decoding_press, presses)."""
+    yield press
+    for key in (*INNER_FIELDS, "presses"):
+        inner = getattr(press, key, None)
+        for one in inner if isinstance(inner, (list, tuple)) else [inner]:
+            if one is not None and hasattr(one, "compress"):
+                yield from inner_presses(one)
+
+
+def own_prefill_reason(press) -> str | None:
+    """Why `press` cannot share a prefill (`OWN_PREFILL`), or None when it can."""
+    base_call = import_kvpress().BasePress.__call__
+    for one in inner_presses(press):
+        name = type(one).__name__
+        if name in OWN_PREFILL:
+            return f"{name} {OWN_PREFILL[name]}"
+        if type(one).__call__ is not base_call:
+            return f"{name} runs more than hooks on one forward (its own __call__)"
+    return None
+
+
+@contextmanager
+def seeded_rng(state: list[Tensor] | None = None) -> Iterator[list[Tensor]]:
+    """Run a block on the global random generators (CPU, and CUDA when present) seeded with
+    PRESS_SEED, or set to `state`; yields a list that holds their state at the end of the block.
+    The caller's generators are restored afterwards."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    end_state: list[Tensor] = []
+    with torch.random.fork_rng(devices=devices):
+        if state is None:
+            torch.manual_seed(PRESS_SEED)
+        else:
+            torch.set_rng_state(state[0])
+            if devices:
+                torch.cuda.set_rng_state_all(state[1:])
+        yield end_state
+        end_state[:] = [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if devices else [])]
+
+
+class PressTap:
+    """One press compressing its own fork of a prefill shared with other presses (`PrefillTap`).
+
+    After each attention layer it runs the press's own forward hook on that layer's call, with the
+    fork as the cache: the press reads the layer's full keys and values and leaves its compressed
+    ones in the fork, exactly as in a prefill of its own (whose forward never depends on what an
+    earlier layer's press did to the cache). The press's random numbers come from its own stream, and
+    a head-wise masking press's masks (`masked_key_indices`) are kept per layer for its decoding.
+    """
+
+    def __init__(self, press, model):
+        self.press = press
+        self.masks: dict[int, Any] = {}  # layer index -> masked_key_indices
+        self.rng: list[Tensor] | None = None  # the press's random generator state between layers
+        press.post_init_from_model(model)
+        language_model = getattr(model.model, "language_model", model.model)
+        for module in attention_modules(model):  # as kvpress's own hooks do (some presses read it)
+            module.rotary_emb = language_model.rotary_emb
+
+    def after_layer(self, module, kwargs: dict, output, cache) -> None:
+        module.masked_key_indices = None
+        try:
+            with seeded_rng(self.rng) as end_state:
+                self.press.forward_hook(module, [], {**kwargs, "past_key_values": cache}, output)
+            self.rng = end_state
+            if module.masked_key_indices is not None:
+                self.masks[module.layer_idx] = module.masked_key_indices
+        finally:
+            module.masked_key_indices = None  # the next press, and the shared forward, see no mask
+
+    @property
+    def masked(self) -> bool:
+        return bool(self.masks)
+
+    @contextmanager
+    def decoding_hooks(self, model) -> Iterator[None]:
+        """The press's masks on their layers while its fork decodes (no-op for a press that shrinks)."""
+        modules = attention_modules(model)
+        try:
+            for module in modules:
+                module.masked_key_indices = self.masks.get(module.layer_idx)
+            yield
+        finally:
+            for module in modules:
+                module.masked_key_indices = None
+
+    def run_fields(self) -> dict[str, Any]:
+        return {"kv_masked": self.masked}
 
 
 def ratio_for(budget: float, context_len: int, max_new_tokens: int) -> float:
@@ -243,11 +360,6 @@ def ratio_for(budget: float, context_len: int, max_new_tokens: int) -> float:
     kept = min(context_len, budget_entries(budget, context_len, max_new_tokens))
     # kvpress keeps int(n * (1 - ratio)); aim half an entry above B so rounding cannot lose one.
     return max(0.0, 1.0 - (kept + 0.5) / context_len) if kept < context_len else 0.0
-
-
-def attention_modules(model) -> list:
-    language_model = getattr(model.model, "language_model", model.model)
-    return [layer.self_attn for layer in language_model.layers]
 
 
 @register
@@ -301,11 +413,15 @@ class KVPress(Method):
             return
         attn_implementation = model.config._attn_implementation
         try:
-            with self._active(model):
+            with seeded_rng(), self._active(model):
                 yield
         finally:  # some presses switch the attention for a pass (KVComposePress): never leave it so
             model.config._attn_implementation = attn_implementation
         self._masked = any(getattr(m, "masked_key_indices", None) is not None for m in modules)
+
+    def prefill_tap(self, model, budget: float, context_len: int, max_new_tokens: int) -> PressTap | None:
+        press = build_press(self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens))
+        return None if own_prefill_reason(press) else PressTap(press, model)
 
     @contextmanager
     def decoding_hooks(self, model, budget: float) -> Iterator[None]:

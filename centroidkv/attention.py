@@ -19,8 +19,9 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from centroidkv.cache import CompressedCache, causal_allowed
+from centroidkv.cache import CompressedCache, CompressedLayer, causal_allowed
 from centroidkv.flex import fused_attention
+from centroidkv.fork_batch import ForkBatch, ForkBatchLayer
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -41,7 +42,8 @@ def degree_attention(
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
     When the layer keeps some KV heads whole (`CompressedLayer.whole_heads`), `key`/`value` hold the
     compressed heads only and the whole heads are read from the layer: each group runs its own
-    attention, a query head with the group of its KV head.
+    attention, a query head with the group of its KV head. Under a `ForkBatch` (forks of one prefill
+    decoded together) row f runs against fork f's own layer.
     The argument order is transformers' own (`dropout` before `scaling`): wrappers such as kvpress's
     pass them positionally.
     """
@@ -50,6 +52,24 @@ def degree_attention(
             "centroidkv attention builds its own causal mask; custom masks are not supported"
         )
     layer = getattr(module, "kv_layer", None)
+    if isinstance(layer, ForkBatchLayer):  # forks decoded together: each row with its own fork's entries
+        rows = [
+            layer_attention(query[row : row + 1], fork.keys, fork.values, fork, scaling, dropout)
+            for row, fork in enumerate(layer.forks)
+        ]
+        return torch.cat(rows), None
+    return layer_attention(query, key, value, layer, scaling, dropout), None
+
+
+def layer_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layer: CompressedLayer | None,
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> Tensor:
+    """`degree_attention` against one cache layer (None: plain causal attention) -> [B, q, Hq, D]."""
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     log_degree = None if layer is None else layer.log_degree
     tracks = layer is not None and layer.tracks_attention
@@ -72,7 +92,7 @@ def degree_attention(
         output = output[:, :, order].flatten(2, 3)
     if layer is not None:
         layer.after_attention(query, scale, received)
-    return output, None
+    return output
 
 
 def _group_attention(
@@ -210,6 +230,8 @@ def _bind_cache_layer(
         cache.n_layers = module.config.num_hidden_layers
         cache.rotary, cache.model_ref = rotary, model_ref
         module.kv_layer = cache.layer(module.layer_idx)
+    elif isinstance(cache, ForkBatch) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
+        module.kv_layer = cache.layers[module.layer_idx]  # its forks were bound when they were prefilled
     else:
         module.kv_layer = None
 
@@ -226,6 +248,11 @@ def rotary_embedding(model: nn.Module) -> nn.Module | None:
     return found[0] if found else None
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's attention modules (those with a `layer_idx` and an output projection), in layer order."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+
+
 def prepare_model(model: PreTrainedModel, name: str | None = None) -> PreTrainedModel:
     """Switch a loaded model to degree-aware attention and hook its attention modules (idempotent).
 
@@ -238,11 +265,11 @@ def prepare_model(model: PreTrainedModel, name: str | None = None) -> PreTrained
         model.centroidkv_name = name or getattr(model.config, "name_or_path", "") or type(model).__name__
     if getattr(model, "_centroidkv_prepared", False):
         return model
-    attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    if not attention_modules:
+    modules = attention_modules(model)
+    if not modules:
         raise ValueError(f"{type(model).__name__}: no attention modules with a layer_idx were found")
     bind = functools.partial(_bind_cache_layer, model_ref=weakref.ref(model), rotary=rotary_embedding(model))
-    for module in attention_modules:
+    for module in modules:
         module.register_forward_pre_hook(bind, with_kwargs=True)
         module.register_forward_hook(_unbind_cache_layer, with_kwargs=True)
     model._centroidkv_prepared = True

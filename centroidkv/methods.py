@@ -152,6 +152,12 @@ class Method:
         method; the budget means what it means for every method, R * (context_len + max_new_tokens)."""
         return nullcontext()
 
+    def prefill_tap(self, model: Any, budget: float, context_len: int, max_new_tokens: int) -> Any | None:
+        """For a `compresses_in_prefill` method: a `centroidkv.decoding.PrefillTap` that compresses this
+        method's own fork during a prefill shared with other methods (one forward serves them all), or
+        None when the method needs a prefill of its own. Its decoding hooks then come from the tap."""
+        return None
+
     def decoding_hooks(self, model: Any, budget: float) -> AbstractContextManager:
         """Active while the question is fed and the answer decoded, after `prefill_hooks`."""
         return nullcontext()
