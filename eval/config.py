@@ -34,7 +34,7 @@ BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references a
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
 ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
-             "results_dir", "retry_failed", "warmup", "overwrite")  # fmt: skip
+             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch")  # fmt: skip
 MODEL_KEYS = ("name", "dtype", "device")
 METHOD_KEYS = ("name", "budget", "params")
 LOGGER_KEYS = ("name", "project", "mode")
@@ -98,6 +98,9 @@ class LoggerConfig:
     mode: str = "auto"  # auto: online when W&B is configured, offline otherwise
 
 
+DEFAULT_DECODE_BATCH = 32  # forks decoded together at most (every fork of a batch is alive at once)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     experiment: str
@@ -111,6 +114,8 @@ class RunConfig:
     retry_failed: bool = False
     warmup: bool = True
     overwrite: bool = False  # a job folder holding another config's records: set them aside, start again
+    share_prefill: bool = True  # kvpress presses compress forks of one shared prefill (eval.evaluate)
+    decode_batch: int = DEFAULT_DECODE_BATCH  # forks decoded together at most; 1: each alone, with TPOT
 
     def identity(self) -> dict[str, Any]:
         """Everything that changes the job's numbers, as flat `key: value` pairs (saved in config.yaml;
@@ -122,6 +127,8 @@ class RunConfig:
             "model.device": device.split(":")[0],  # cuda:0 and cuda:1 run the same numbers
             "warmup": self.warmup,  # timings of the first samples
             "budget_unit": self.budget_unit,
+            "share_prefill": self.share_prefill,  # a press's prefill_s / compress_s
+            "decode_batch": self.decode_batch,  # TPOT is measured only for forks decoded alone
         }
         identity.update({f"benchmark.{k}": v for k, v in self.benchmark.params().items()})
         for spec in self.methods:
@@ -415,9 +422,12 @@ def build_run_config(
             "experiment_name: must be a plain folder name (letters, digits, _ . -; not . or ..), "
             f"got {experiment!r}"
         )
-    for key in ("retry_failed", "warmup", "overwrite"):
+    for key in ("retry_failed", "warmup", "overwrite", "share_prefill"):
         if not isinstance(raw.get(key, False), bool):
             errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")
+    decode_batch = raw.get("decode_batch", DEFAULT_DECODE_BATCH)
+    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
+        errors.append(f"decode_batch: must be an integer >= 1, got {decode_batch!r}")
     budget_unit = raw.get("budget_unit", DEFAULT_BUDGET_UNIT)
     if budget_unit not in BUDGET_UNITS:
         errors.append(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {budget_unit!r}")
@@ -441,6 +451,8 @@ def build_run_config(
         retry_failed=bool(raw.get("retry_failed", False)),
         warmup=bool(raw.get("warmup", True)),
         overwrite=bool(raw.get("overwrite", False)),
+        share_prefill=bool(raw.get("share_prefill", True)),
+        decode_batch=decode_batch,
     )
 
 

@@ -126,7 +126,9 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     from eval.wandb_logger import make_logger
 
     logger = make_logger(cfg, document)
-    evaluator = Evaluator(model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit)
+    evaluator = Evaluator(
+        model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
+    )
     if cfg.warmup:
         warm_up(evaluator)
     records = {record_key(r): r for r in existing}

@@ -201,12 +201,14 @@ def test_records_without_a_variant_keep_their_key():
 def test_job_records_and_skip_when_finished(tmp_path):
     from eval.runner import config_yaml_of, run_job
 
-    cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.5]", "benchmark.n_samples=2"])
+    # decode_batch=1: every fork decoded alone, so each record has its own TPOT and peak memory
+    overrides = ["methods=[full,centroidkv]", "budgets=[0.5]", "benchmark.n_samples=2", "decode_batch=1"]
+    cfg, raw = run_cfg(tmp_path, overrides)
     summary = run_job(cfg, config_yaml_of(cfg, raw))
     records, dirty = read_records(cfg.job_dir / "records.jsonl")
     assert not dirty and len(records) == 4 and summary["n_records"] == 4
     for record in records:
-        assert record["status"] == "ok"
+        assert record["status"] == "ok" and record["decode_batch"] == 1
         for field in ("task", "sample_id", "method", "params", "budget", "prediction", "references", "score", "ttft",
                       "tpot", "kv_bytes", "peak_mem", "context_length"):  # fmt: skip
             assert record.get(field) is not None, field
@@ -262,9 +264,9 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     from eval.runner import config_yaml_of, run_job
 
     seen: dict[str, list] = {"prefill": [], "question": [], "fork": []}
-    real_prefill, real_generate, real_fork = (
+    real_prefill, real_start, real_fork = (
         eval.evaluate.prefill,
-        eval.evaluate.generate_from,
+        eval.evaluate.start_fork,
         CompressedCache.fork,
     )
 
@@ -272,9 +274,9 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
         seen["prefill"].append((model, input_ids))
         return real_prefill(model, input_ids, *args, **kwargs)
 
-    def spy_generate(*args, question_ids=None, **kwargs):
+    def spy_start(model, prefilled, method, budget, max_new_tokens, question_ids=None, *args, **kwargs):
         seen["question"].append(question_ids)
-        return real_generate(*args, question_ids=question_ids, **kwargs)
+        return real_start(model, prefilled, method, budget, max_new_tokens, question_ids, *args, **kwargs)
 
     def spy_fork(self, *args, **kwargs):
         twin = real_fork(self, *args, **kwargs)
@@ -282,7 +284,7 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
         return twin
 
     monkeypatch.setattr(eval.evaluate, "prefill", spy_prefill)
-    monkeypatch.setattr(eval.evaluate, "generate_from", spy_generate)
+    monkeypatch.setattr(eval.evaluate, "start_fork", spy_start)
     monkeypatch.setattr(CompressedCache, "fork", spy_fork)
     overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
                  "benchmark.context_only=true", "benchmark.max_new_tokens=1"]  # fmt: skip
