@@ -65,6 +65,7 @@ from centroidkv.budget import (
     RECORD_BYTES,
     budget_entries,
     check_budget_unit,
+    check_protected_fit,
     solve_entries,
 )
 from centroidkv.kv import LayerKV, LayerStats
@@ -389,12 +390,8 @@ class CompressedLayer(DynamicLayer):
 
     def check_protected_fit(self) -> None:
         """Raise when this layer's budget cannot hold the protected sinks and recent window."""
-        method, budget = self.owner.method, self.budget_len
-        if budget < method.n_sink + method.n_recent + 1:
-            raise ValueError(
-                f"{method.name}: a budget of {budget} tokens cannot hold n_sink={method.n_sink} + "
-                f"n_recent={method.n_recent} protected tokens; raise the budget or lower n_sink/n_recent"
-            )
+        method = self.owner.method
+        check_protected_fit(self.budget_len, method.n_sink, method.n_recent, f"{method.name} at this budget")
 
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place), with
@@ -484,14 +481,6 @@ class CompressedCache(Cache):
         self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
         self._kept_whole: dict[int, list[int]] | None = None
-
-    @property
-    def query_window(self) -> int:
-        return self.window_needs.get("queries", 0)
-
-    @property
-    def tracks_attention(self) -> bool:
-        return any(RECORDERS[name].uses_received for name in self.entry_needs)
 
     def heads_kept_whole(self) -> dict[int, list[int]]:
         """The method's KV heads kept whole per layer, asked once (needs the model: `prepare_model`)."""

@@ -328,7 +328,7 @@ def test_a_budget_too_small_for_the_protected_windows_fails_before_decoding():
     hook = model.register_forward_hook(lambda *args: forwards.append(1))
     try:
         prefilled = prefill(model, torch.arange(1, 51).unsqueeze(0), 100)
-        with pytest.raises(ValueError, match="cannot hold n_sink=16 \\+ n_recent=64 protected tokens"):
+        with pytest.raises(ValueError, match="fewer than its 81 protected \\(n_sink 16 \\+ n_recent 64"):
             generate_from(model, prefilled, "centroidkv", 0.5, 100, budget_unit="entries")
     finally:
         hook.remove()
