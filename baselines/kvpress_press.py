@@ -119,7 +119,6 @@ OWN_PREFILL = {
 PRESS_SEED = 0
 
 
-
 def import_kvpress():
     """The kvpress module, with our attention wrapped by its head-wise masking patch."""
     try:

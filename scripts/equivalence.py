@@ -132,7 +132,9 @@ def compare(old_path: Path, new_path: Path, ignore: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="run the equivalence set into a folder")
     run_parser.add_argument("out", type=Path)

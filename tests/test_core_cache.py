@@ -315,7 +315,9 @@ def test_a_planned_generation_the_budget_cannot_hold_fails_at_the_prompt_with_on
     """B = 0.5 * (50 + 100) = 75 < n_sink + n_recent = 80: the re-compression 89 tokens later would
     fail, so the cache refuses at its first update, when it knows the prompt and max_new_tokens."""
     cache = CompressedCache("centroidkv", budget=0.5, max_new_tokens=100, budget_unit="entries")
-    with pytest.raises(ValueError, match="fewer than its 81 protected \\(n_sink 16 \\+ n_recent 64") as raised:
+    with pytest.raises(
+        ValueError, match="fewer than its 81 protected \\(n_sink 16 \\+ n_recent 64"
+    ) as raised:
         tiny_model(prompt(50), past_key_values=cache)
     assert "\n" not in str(raised.value)
     roomy = CompressedCache("centroidkv", budget=0.9, max_new_tokens=10, budget_unit="entries")  # B = 54
