@@ -4,7 +4,7 @@ A method sees one layer's *mergeable segment* (the cache without its protected s
 window) and shrinks it to `target_len` tokens. The cache decides when to call it and what the budget
 is; methods only decide which tokens survive (eviction) or how they combine (merging).
 
-Methods are found, not listed: the library's own method (`centroidkv.method`) is imported on the
+Methods are found, not listed: the library's own method (`centroidkv.centroidkv`) is imported on the
 first look-up, and so is every object that an installed distribution declares under the entry-point
 group `centroidkv.methods` (a module, a package whose modules are all imported, or a `Method` class).
 A module registers its methods with `@register`. The harness's baselines come the same way: this
@@ -50,7 +50,7 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "centroidkv.methods"
 # The library's own method; every other one (the harness's baselines too) comes through the group.
-BUILTIN_METHOD_MODULE = "centroidkv.method"
+BUILTIN_METHOD_MODULE = "centroidkv.centroidkv"
 
 
 @dataclass

@@ -13,7 +13,7 @@ from centroidkv.attention import degree_attention
 from centroidkv.calibrate import head_errors, worst_heads
 from centroidkv.csm import csm_compress
 from centroidkv.kv import LayerKV
-from centroidkv.method import undo_rope
+from centroidkv.centroidkv import undo_rope
 from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")

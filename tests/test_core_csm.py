@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import centroidkv.method
+import centroidkv.centroidkv
 from centroidkv import get_method
 from centroidkv.csm import (
     chunk_edges,
@@ -272,7 +272,7 @@ def test_embedded_model_greedy_tokens_equal_the_reference_merging(embedded, monk
         calls.append(args[1])
         return reference_compress(*args, **kwargs)
 
-    monkeypatch.setattr(centroidkv.method, "csm_compress", reference)
+    monkeypatch.setattr(centroidkv.centroidkv, "csm_compress", reference)
     expected_cache = prefilled.cache.fork(method, 0.25, 24)
     expected = generate_from(model, prefilled, method, 0.25, 24)
     assert len(calls) == 2 * model.config.num_hidden_layers  # the reference compressed every layer
