@@ -23,6 +23,7 @@ import math
 import sys
 import traceback
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,19 +173,13 @@ class Evaluator:
         max_new_tokens: int,
         compress_s: float | None = None,
     ) -> None:
-        """Fork `prefilled` for `run` (compress, feed `fed`), or keep its error."""
-        method = (
-            self.methods[run.spec] if compress_s is None else "full"
-        )  # a tapped fork is compressed already
+        """Fork `prefilled` for `run` (compress, feed `fed`), or keep its error. A tapped fork
+        (`compress_s` given: its compression's time in the prefill) is compressed already."""
+        method = self.methods[run.spec] if compress_s is None else "full"
         budget = run.spec.budget if compress_s is None else 1.0
         question = self.ids(fed) if fed else None
         try:
-            if run.hooks is not None:
-                with run.hooks(self.model):
-                    run.fork = start_fork(
-                        self.model, prefilled, method, budget, max_new_tokens, question, self.budget_unit
-                    )
-            else:
+            with run.hooks(self.model) if run.hooks is not None else nullcontext():
                 run.fork = start_fork(
                     self.model, prefilled, method, budget, max_new_tokens, question, self.budget_unit
                 )
@@ -228,10 +223,7 @@ class Evaluator:
 
     def decode_batch_of(self, batch: list[Run], max_new_tokens: int, eos: set[int]) -> None:
         forks = [run.fork for run in batch]
-        if batch[0].hooks is not None:
-            with batch[0].hooks(self.model):
-                results = decode_forks(self.model, forks, max_new_tokens, eos)
-        else:
+        with batch[0].hooks(self.model) if batch[0].hooks is not None else nullcontext():
             results = decode_forks(self.model, forks, max_new_tokens, eos)
         peak, peak_kind = peak_memory(self.device) if len(batch) == 1 else (None, None)
         for run, result in zip(batch, results, strict=True):
