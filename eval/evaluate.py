@@ -61,7 +61,7 @@ class Run:
     result: dict | None = None
     error: BaseException | None = None
     fields: dict = field(default_factory=dict)  # record fields of the run (prefill_shared, ...)
-    restart: tuple | None = None  # what `start_fork` was given: to decode the fork again alone
+    restart: tuple | None = None  # `start`'s arguments after the run: to fork it again alone (`decode`)
 
 
 class Evaluator:
@@ -189,7 +189,7 @@ class Evaluator:
             return
         if compress_s is not None:
             run.fork.compress_s = compress_s
-        run.restart = (prefilled, method, budget, question)  # to decode it again alone (`decode`)
+        run.restart = (prefilled, fed, max_new_tokens, compress_s)
 
     def decode(self, runs: list[Run], max_new_tokens: int, eos: set[int]) -> None:
         """Decode the started forks: those without hooks in batches of up to `decode_batch`, the others
@@ -209,13 +209,11 @@ class Evaluator:
                     continue
                 for run in batch:  # again, one at a time, from the fork's own (unchanged) source
                     reset_peak_memory(self.device)
+                    run.fork = None
+                    self.start(run, *run.restart)
+                    if run.fork is None:  # `start` kept its error
+                        continue
                     try:
-                        prefilled, method, budget, question = run.restart
-                        compress_s = run.fork.compress_s
-                        run.fork = start_fork(
-                            self.model, prefilled, method, budget, max_new_tokens, question, self.budget_unit
-                        )
-                        run.fork.compress_s = compress_s
                         self.decode_batch_of([run], max_new_tokens, eos)
                     except Exception as error:
                         _free_memory(self.device)
