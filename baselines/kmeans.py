@@ -62,6 +62,9 @@ from centroidkv.needs import pool_extras
 INITS = ("uniform", "random")
 BLOCK_ELEMENTS = 1 << 26
 MIN_SUBSET = 64  # rows and columns of the smallest partial product (see the module docstring)
+# On a CPU a block's scores are computed in slices of about this many elements (4 MiB), so that the
+# row maxima read them while they are still in the cache instead of from memory: ~1.5x faster.
+CACHE_ELEMENTS = 1 << 20
 
 
 def initial_seeds(batch: int, heads: int, length: int, k: int, init: str, seed: int, device) -> Tensor:
@@ -100,10 +103,22 @@ def nearest(
     block = block or row_block(points, centroids.shape[2])
     best, index = [], []
     for start in range(0, points.shape[2], block):  # bounds memory only; one block when it fits
-        block_best, block_index = scores(points[:, :, start : start + block], centroids, cosine).max(dim=-1)
-        best.append(block_best)
-        index.append(block_index)
+        for part in cache_slices(points[:, :, start : start + block], centroids.shape[2]):
+            part_best, part_index = scores(part, centroids, cosine).max(dim=-1)
+            best.append(part_best)
+            index.append(part_index)
     return torch.cat(best, dim=-1), torch.cat(index, dim=-1)
+
+
+def cache_slices(points: Tensor, n_centroids: int) -> tuple[Tensor, ...]:
+    """`points` [B, H, n, D] cut along n into slices whose scores hold about `CACHE_ELEMENTS`, on a
+    CPU only. Every slice keeps at least `MIN_SUBSET` rows, so each score is the bits one product of
+    all rows gives (see the module docstring); on a GPU the block stays whole."""
+    batch, heads, length = points.shape[:3]
+    if points.device.type != "cpu":
+        return (points,)
+    rows = max(MIN_SUBSET, CACHE_ELEMENTS // max(1, batch * heads * n_centroids))
+    return points.tensor_split(max(1, length // rows), dim=2)  # slices of >= `rows` rows
 
 
 def first_true(mask: Tensor, count: int) -> Tensor:

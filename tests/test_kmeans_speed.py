@@ -184,10 +184,13 @@ CASES = [  # batch, heads, length, dim, k, distinct keys (None: noisy groups), d
 ]
 
 
+@pytest.mark.parametrize("slice_rows", [None, 100], ids=["one-product", "cache-slices"])
 @pytest.mark.parametrize("cosine", [True, False], ids=["cosine", "euclidean"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: "x".join(map(str, case[:6])))
-def test_kmeans_is_bitwise_the_reference(case, cosine, product_shapes):
+def test_kmeans_is_bitwise_the_reference(case, cosine, slice_rows, product_shapes, monkeypatch):
     batch, heads, length, dim, k, distinct, dtype = case
+    if slice_rows:  # the scores in slices of ~100 points, as the CPU default does at 4k tokens
+        monkeypatch.setattr(kmeans, "CACHE_ELEMENTS", batch * heads * k * slice_rows)
     for init, seed in (("uniform", 0), ("random", 3)):
         kv = segment(batch, heads, length, dim, distinct, dtype, seed=seed)
         reference = kmeans_compress(kv, k, iterations=12, init=init, seed=seed, cosine=cosine)
@@ -281,3 +284,27 @@ def test_update_nearest_keeps_the_bits_of_one_and_two_point_products(cosine, mon
     monkeypatch.setattr(kmeans, "BLOCK_ELEMENTS", 2 * 2 * 100 * 300)  # blocks of 300, 300 and 1 point
     last_point_centroid = index[:, :, -1:]
     check(torch.zeros(2, 2, 100, dtype=torch.bool).scatter(2, last_point_centroid, True))
+
+
+@pytest.mark.parametrize("cosine", [True, False], ids=["cosine", "euclidean"])
+def test_cache_slices_give_the_bits_of_one_product(cosine, monkeypatch):
+    """On a CPU `nearest` scores cache-sized slices of points (at least MIN_SUBSET rows each, a short
+    tail joins the slice before it): best scores and indices equal one product of all points."""
+    generator = torch.Generator().manual_seed(2)
+    points = torch.randn(1, 3, 1000, 64, generator=generator)
+    centroids = points[:, :, ::4] + 0.1 * torch.randn(1, 3, 250, 64, generator=generator)
+    if cosine:
+        points, centroids = F.normalize(points, dim=-1), F.normalize(centroids, dim=-1)
+    whole = scores_max(points, centroids, cosine)
+    monkeypatch.setattr(kmeans, "CACHE_ELEMENTS", 3 * 250 * 70)  # slices of 70-71 rows
+    assert [part.shape[2] for part in kmeans.cache_slices(points, 250)][-1] >= 70
+    assert len(kmeans.cache_slices(points, 250)) == 1000 // 70
+    sliced = kmeans.nearest(points, centroids, cosine)
+    assert torch.equal(sliced[0], whole[0]) and torch.equal(sliced[1], whole[1])
+
+
+def scores_max(points: Tensor, centroids: Tensor, cosine: bool) -> tuple[Tensor, Tensor]:
+    """The reference's scoring: one product of all points, then the row maxima."""
+    if cosine:
+        return (points @ centroids.transpose(-1, -2)).max(dim=-1)
+    return (2 * points @ centroids.transpose(-1, -2) - centroids.square().sum(-1).unsqueeze(-2)).max(dim=-1)
