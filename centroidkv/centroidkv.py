@@ -43,6 +43,7 @@ from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
 
 SIMILARITIES = ("post_rope", "pre_rope")
 SCHEDULES = ("linear", "adaptive")
+ROPE_SLICE = 512  # tokens per slice when undoing RoPE on a CPU
 
 
 def undo_rope(keys: Tensor, positions: Tensor, rotary, unit: bool = False) -> Tensor:
@@ -57,15 +58,22 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary, unit: bool = False) -> Te
     positions = positions.float()
     if positions.shape[1] > 1 and torch.equal(positions, positions[:, :1].expand_as(positions)):
         positions = positions[:, :1]  # no merge yet: every head has the same positions, one cos/sin
-    angle = positions.unsqueeze(-1) * rotary.inv_freq.float()  # [B, H or 1, T, D/2]
-    cos, sin = angle.cos(), angle.sin()
-    rotated_1, rotated_2 = keys.float().chunk(2, dim=-1)
+    inv_freq = rotary.inv_freq.float()
     unrotated = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
-    first, second = unrotated.chunk(2, dim=-1)
-    torch.mul(rotated_1, cos, out=first).addcmul_(rotated_2, sin)
-    torch.mul(rotated_2, cos, out=second).addcmul_(rotated_1, sin, value=-1)
-    if unit:  # in the same buffer: what F.normalize(unrotated) gives, bit for bit, without a copy
-        unrotated.div_(torch.linalg.vector_norm(unrotated, dim=-1, keepdim=True).clamp_(min=1e-12))
+    # On a CPU, in slices of tokens that stay in the cache through the steps below (elementwise and
+    # per-row work: the bits are those of one pass over all tokens).
+    length, slice_len = keys.shape[2], keys.shape[2] if keys.device.type != "cpu" else ROPE_SLICE
+    for start in range(0, length, slice_len):
+        part = slice(start, start + slice_len)
+        angle = positions[:, :, part].unsqueeze(-1) * inv_freq  # [B, H or 1, t, D/2]
+        cos, sin = angle.cos(), angle.sin()
+        rotated_1, rotated_2 = keys[:, :, part].float().chunk(2, dim=-1)
+        out = unrotated[:, :, part]
+        first, second = out.chunk(2, dim=-1)
+        torch.mul(rotated_1, cos, out=first).addcmul_(rotated_2, sin)
+        torch.mul(rotated_2, cos, out=second).addcmul_(rotated_1, sin, value=-1)
+        if unit:  # in the same buffer: what F.normalize(unrotated) gives, bit for bit, without a copy
+            out.div_(torch.linalg.vector_norm(out, dim=-1, keepdim=True).clamp_(min=1e-12))
     return unrotated
 
 
