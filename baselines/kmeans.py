@@ -24,7 +24,8 @@ Per (batch, KV head), on the keys of the mergeable middle, k = target_len cluste
    log_degree = log(sum of degrees), accumulated attention summed; ordered by first member.
 
 The assignment is computed in blocks of tokens when the [n, k] similarity matrix of all heads
-would exceed `BLOCK_ELEMENTS` (a memory bound, not an algorithmic loop).
+would exceed `BLOCK_ELEMENTS` (a memory bound, not an algorithmic loop), and on a CPU each block in
+slices of `CACHE_ELEMENTS` scores, whose row maxima are then read from the cache (`cache_slices`).
 
 After the first iteration only the centroids that moved are scored again (`update_nearest`): an
 unmoved centroid (bitwise the same) keeps its similarities, so a token's best centroid can only
