@@ -10,12 +10,9 @@ kvpress's `PyramidKVPress`): with b = B - n_sink - n_recent the average budget o
 middle, the middle budgets go linearly from `max = 2b - b/beta` at layer 0 to `min = b/beta` at the
 last layer, so their mean is b and the total over the layers is the same as SnapKV's. We round
 cumulative sums, so the integer budgets add up to exactly n_layers * b; each middle budget is at
-least 1. A layer whose budget exceeds its length keeps everything. With a budget in bytes (the
-default) what such a layer cannot hold goes to the others: the cache solves the mean b for what the
-layers really store (`CompressedCache._solve_byte_plan`), so the pyramid's top passes the prompt
-length and every layer below the cap gets more, and the cache stores R times a full one. (The
-PyramidKV code and kvpress instead cap the top at the prompt length and raise `min` in exchange.)
-With a budget in entries nothing is redistributed.
+least 1. A layer whose budget exceeds its length simply keeps everything (then the model keeps
+fewer tokens in total than SnapKV would; the PyramidKV code caps the top at the prompt length and
+raises `min` in exchange, which kvpress mirrors; we do not redistribute).
 
 Parameters: those of SnapKV (window_size 32, kernel_size 5, pooling "avgpool", n_sink 0,
 n_recent 32, g 64) and

@@ -525,18 +525,12 @@ class CompressedCache(Cache):
         target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
 
         def stored_bytes(total: int) -> int:
-            # a layer whose budget exceeds what it has seen keeps everything and stores no more than
-            # that (PyramidKV's lowest layers at high budgets): the others may use what it leaves
-            per_layer = (
-                min(self.method.layer_budget(total, index, n_layers), layer.n_seen)
-                for index in range(n_layers)
-            )
+            per_layer = (self.method.layer_budget(total, index, n_layers) for index in range(n_layers))
             entries = sum(heads * length for heads, length in zip(compressed_heads, per_layer, strict=True))
             return whole_bytes + compressed_entry_bytes * entries
 
         try:
-            # a pyramid's mean may pass n + Gamma when its lowest layers keep everything
-            total = solve_entries(stored_bytes, target, upper=full_len * n_layers)
+            total = solve_entries(stored_bytes, target, upper=full_len)
         except ValueError as error:
             raise ValueError(f"{self.method.name} at budget {self.budget:g} in bytes: {error}") from None
         return [self.method.layer_budget(total, index, n_layers) for index in range(n_layers)]
