@@ -178,7 +178,7 @@ def test_same_positions_and_answers_as_kvpress_on_tiny_llama(tiny, name):
 @pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
 def test_same_positions_and_answers_as_kvpress_on_embedded_model(smollm, name):
     model, kv_model, tokenizer = smollm
-    context, question = essay_prompt(tokenizer)
+    context, question = essay_prompt(tokenizer, context_tokens=640)
     press, method = presses()[name]
     compare_positions(model, kv_model, press, method, context, question)
 
