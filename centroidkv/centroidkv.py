@@ -62,7 +62,8 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary, unit: bool = False) -> Te
     unrotated = torch.empty(keys.shape, dtype=torch.float32, device=keys.device)
     # On a CPU, in slices of tokens that stay in the cache through the steps below (elementwise and
     # per-row work: the bits are those of one pass over all tokens).
-    length, slice_len = keys.shape[2], keys.shape[2] if keys.device.type != "cpu" else ROPE_SLICE
+    length = keys.shape[2]
+    slice_len = ROPE_SLICE if keys.device.type == "cpu" else max(1, length)  # an empty segment: no slice
     for start in range(0, length, slice_len):
         part = slice(start, start + slice_len)
         angle = positions[:, :, part].unsqueeze(-1) * inv_freq  # [B, H or 1, t, D/2]

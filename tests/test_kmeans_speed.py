@@ -295,16 +295,10 @@ def test_cache_slices_give_the_bits_of_one_product(cosine, monkeypatch):
     centroids = points[:, :, ::4] + 0.1 * torch.randn(1, 3, 250, 64, generator=generator)
     if cosine:
         points, centroids = F.normalize(points, dim=-1), F.normalize(centroids, dim=-1)
-    whole = scores_max(points, centroids, cosine)
+    cluster, fitness = assign(points, centroids, cosine)  # the reference: one product of all points
     monkeypatch.setattr(kmeans, "CACHE_ELEMENTS", 3 * 250 * 70)  # slices of 70-71 rows
     assert [part.shape[2] for part in kmeans.cache_slices(points, 250)][-1] >= 70
     assert len(kmeans.cache_slices(points, 250)) == 1000 // 70
-    sliced = kmeans.nearest(points, centroids, cosine)
-    assert torch.equal(sliced[0], whole[0]) and torch.equal(sliced[1], whole[1])
-
-
-def scores_max(points: Tensor, centroids: Tensor, cosine: bool) -> tuple[Tensor, Tensor]:
-    """The reference's scoring: one product of all points, then the row maxima."""
-    if cosine:
-        return (points @ centroids.transpose(-1, -2)).max(dim=-1)
-    return (2 * points @ centroids.transpose(-1, -2) - centroids.square().sum(-1).unsqueeze(-2)).max(dim=-1)
+    best, index = kmeans.nearest(points, centroids, cosine)
+    assert torch.equal(index, cluster)
+    assert torch.equal(best if cosine else best - points.square().sum(-1), fitness)
