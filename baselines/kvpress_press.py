@@ -378,6 +378,11 @@ class KVPress(Method):
         if not isinstance(self.press_params, dict):
             raise ValueError(f"{self.name}: press_params must be a mapping, got {self.press_params!r}")
         self.press_params = dict(self.press_params)
+        if self.heads != "none":
+            raise ValueError(
+                f"{self.name}: presses compress inside kvpress's own hooks, which apply no head policy "
+                "(heads=none); native methods take heads=whole|budget"
+            )
         build_press(self.press, self.press_params, 0.5)  # every bad name or value fails here, before a run
         self._masked = False
 

@@ -40,9 +40,10 @@ def degree_attention(
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
-    When the layer keeps some KV heads whole (`CompressedLayer.whole_heads`), `key`/`value` hold the
-    compressed heads only and the whole heads are read from the layer: each group runs its own
-    attention, a query head with the group of its KV head. Under a `ForkBatch` (forks of one prefill
+    When the layer's head policy split its KV heads (`CompressedLayer.whole_heads` or `.favoured`),
+    `key`/`value` hold the compressed heads only and the other group is read from the layer: each
+    group runs its own attention, a query head with the group of its KV head, and each group's records
+    (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
     The argument order is transformers' own (`dropout` before `scaling`): wrappers such as kvpress's
     pass them positionally.
@@ -73,26 +74,43 @@ def layer_attention(
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     log_degree = None if layer is None else layer.log_degree
     tracks = layer is not None and layer.tracks_attention
-    if layer is None or layer.whole_heads is None:
+    if layer is None or layer.compressed_heads is None:
         output, received = _group_attention(query, key, value, log_degree, scaling, scale, dropout, tracks)
+        if layer is not None:
+            layer.after_attention(query, scale, received)
+        return output
+    # The heads are split in two groups (heads kept whole, or the favoured heads' own layer): each
+    # group runs its own attention, a query head with the group of its KV head.
+    favoured = layer.favoured
+    other_heads = layer.whole_heads if favoured is None else layer.favoured_heads
+    group = query.shape[1] // (len(layer.compressed_heads) + len(other_heads))
+    by_kv_head = query.unflatten(1, (-1, group))  # [B, Hkv, group, q, D]
+    compressed_q = by_kv_head[:, layer.compressed_heads].flatten(1, 2)
+    other_q = by_kv_head[:, other_heads].flatten(1, 2)
+    compressed, received = _group_attention(
+        compressed_q, key, value, log_degree, scaling, scale, dropout, tracks
+    )
+    if favoured is None:
+        other, _ = _group_attention(
+            other_q, layer.whole_keys, layer.whole_values, None, scaling, scale, dropout, False
+        )
     else:
-        group = query.shape[1] // (len(layer.compressed_heads) + len(layer.whole_heads))
-        by_kv_head = query.unflatten(1, (-1, group))  # [B, Hkv, group, q, D]
-        compressed_q = by_kv_head[:, layer.compressed_heads].flatten(1, 2)
-        whole_q = by_kv_head[:, layer.whole_heads].flatten(1, 2)
-        compressed, received = _group_attention(
-            compressed_q, key, value, log_degree, scaling, scale, dropout, tracks
+        other, other_received = _group_attention(
+            other_q,
+            favoured.keys,
+            favoured.values,
+            favoured.log_degree,
+            scaling,
+            scale,
+            dropout,
+            favoured.tracks_attention,
         )
-        whole, _ = _group_attention(
-            whole_q, layer.whole_keys, layer.whole_values, None, scaling, scale, dropout, False
-        )
-        # back to the model's head order: KV head h's query heads are rows h * group .. h * group + group - 1
-        order = torch.cat([layer.compressed_heads, layer.whole_heads]).argsort()
-        output = torch.cat([compressed.unflatten(2, (-1, group)), whole.unflatten(2, (-1, group))], dim=2)
-        output = output[:, :, order].flatten(2, 3)
-    if layer is not None:
-        layer.after_attention(query, scale, received)
-    return output
+        favoured.after_attention(other_q, scale, other_received)
+    layer.after_attention(compressed_q, scale, received)
+    # back to the model's head order: KV head h's query heads are rows h * group .. h * group + group - 1
+    order = torch.cat([layer.compressed_heads, other_heads]).argsort()
+    output = torch.cat([compressed.unflatten(2, (-1, group)), other.unflatten(2, (-1, group))], dim=2)
+    return output[:, :, order].flatten(2, 3)
 
 
 def _group_attention(

@@ -54,19 +54,6 @@ def solve_entries(stored_bytes: Callable[[int], int], target_bytes: int, upper: 
     return low
 
 
-def compressed_fraction(ratio: float, whole_fraction: float) -> float:
-    """The budget left to each compressed head, as a fraction of its full length, when a fraction
-    `whole_fraction` of all KV heads is kept whole (an estimate that ignores per-entry records and
-    that heads kept whole hold n, not n + Gamma, tokens: used to check configurations before a model
-    loads). Raises ValueError when the heads kept whole alone take the whole budget."""
-    if whole_fraction >= ratio:
-        raise ValueError(
-            f"its heads kept whole alone take {whole_fraction:.1%} of a full cache's bytes, not less than "
-            f"the budget {ratio:g}; raise the budget, keep fewer heads whole or use budget_unit=entries"
-        )
-    return (ratio - whole_fraction) / (1 - whole_fraction)
-
-
 def protected_entries(n_sink: int, n_recent: int) -> int:
     """The fewest entries a compressed head can be given: its protected first `n_sink` and last
     `n_recent` tokens, and one more for the method to choose."""

@@ -21,16 +21,21 @@ Layout of one layer (`CompressedLayer`):
   log_degree       [B, H_c, T]      float32 log of each entry's degree (None while all degrees are 1)
   extras[name]     [B, H_c, T]      entry records, aligned with the entries (float32)
   windows[name]    [B, H_q, w, ...] window records, all query heads (e.g. the last w queries)
-  whole_keys/values [B, H_o, n, D]  the KV heads kept whole (CentroidKV's outlier heads): every token
+  whole_keys/values [B, H_o, n, D]  heads=whole: the listed KV heads (`centroidkv.heads`), every token
                                     seen, never compressed; `whole_heads` [H_o] and
                                     `compressed_heads` [H_c] give the KV head ids of the two groups.
-The heads are split at a layer's first compression, only when `Method.kept_whole` names heads for
-it; until then (and for every other method) keys/values hold all heads and the whole_* are None.
-The attention function runs the two groups separately (a query head attends to its KV head's group).
+  favoured          a CompressedLayer  heads=budget: the listed KV heads (`favoured_heads` [H_f]), a
+                                    layer of their own with the same machinery (entries, degrees,
+                                    records, windows, compression) and a budget of heads_boost x B.
+The heads are split at a layer's first compression, only when the method's head policy lists heads
+for it; until then (and under heads=none) keys/values hold all heads and the rest is None. After the
+split, window records hold the query heads of their group's KV heads only, so a method that reads
+them sees the statistics of the heads it compresses. The attention function runs the groups
+separately (a query head attends to its KV head's group).
 In entries, heads kept whole are on top of the budget B, which applies to the compressed heads (as in
-the paper); in bytes, they are paid for by the compressed heads. `kv_bytes()` counts every stored
-tensor; `kv_ratio()` relates it to a full cache of the tokens seen, `budget_ratio()` to the budget's
-reference, a full cache of n + Gamma tokens.
+the paper), and favoured heads keep heads_boost x B; in bytes, both are paid for by the other heads.
+`kv_bytes()` counts every stored tensor; `kv_ratio()` relates it to a full cache of the tokens seen,
+`budget_ratio()` to the budget's reference, a full cache of n + Gamma tokens.
 
 Decoding writes in place. Every growing tensor (keys, values, log-degrees, entry records, whole
 heads) is the live prefix `buffer[:, :, :length]` of a preallocated buffer with headroom, so a decode
@@ -68,6 +73,7 @@ from centroidkv.budget import (
     check_protected_fit,
     solve_entries,
 )
+from centroidkv.heads import favoured_len
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
@@ -96,6 +102,10 @@ class CompressedLayer(DynamicLayer):
         self.whole_heads: Tensor | None = None  # KV head ids held by whole_keys / whole_values, [H_o]
         self.whole_keys: Tensor | None = None  # [B, H_o, n_seen, D], never compressed
         self.whole_values: Tensor | None = None
+        # heads=budget (set at the first compression when the policy lists heads for this layer):
+        self.favoured_heads: Tensor | None = None  # KV head ids held by `favoured`, [H_f]
+        self.favoured: CompressedLayer | None = None  # their own layer, compressed to boost x B
+        self.is_favoured = False  # this layer is another layer's `favoured` group
         self.scaling: float = 1.0
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
@@ -130,6 +140,9 @@ class CompressedLayer(DynamicLayer):
         if self.whole_heads is not None:  # heads kept whole grow in their own tensors
             self._append("whole_keys", key_states[:, self.whole_heads])
             self._append("whole_values", value_states[:, self.whole_heads])
+        if self.favoured is not None:  # favoured heads grow in their own layer
+            self.favoured.update(key_states[:, self.favoured_heads], value_states[:, self.favoured_heads])
+        if self.compressed_heads is not None:
             key_states, value_states = (
                 key_states[:, self.compressed_heads],
                 value_states[:, self.compressed_heads],
@@ -213,8 +226,9 @@ class CompressedLayer(DynamicLayer):
 
     def capacity_bytes(self) -> int:
         """Bytes of the buffers behind this layer's stored tensors (live entries plus headroom)."""
-        total = 0
-        for tensor in self.stored_tensors():
+        total = self.favoured.capacity_bytes() if self.favoured is not None else 0
+        own = len(self.stored_tensors()) - (len(self.favoured.stored_tensors()) if self.favoured else 0)
+        for tensor in self.stored_tensors()[:own]:
             backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
             total += backing.numel() * backing.element_size()
         return total
@@ -245,6 +259,8 @@ class CompressedLayer(DynamicLayer):
         for records in (self.extras, self.windows):
             for name, tensor in records.items():
                 records[name] = fn(tensor)
+        if self.favoured is not None:
+            self.favoured._map_batch(fn)
 
     # --- compression -----------------------------------------------------------------------------
     @property
@@ -259,17 +275,20 @@ class CompressedLayer(DynamicLayer):
 
     def head_lengths(self) -> list[int]:
         """Entries per KV head, in head order."""
-        if self.whole_heads is None:
+        if self.compressed_heads is None:
             return [self.length] * (0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[1])
-        lengths = [0] * (len(self.compressed_heads) + len(self.whole_heads))
+        other = self.whole_heads if self.whole_heads is not None else self.favoured_heads
+        other_length = self.whole_keys.shape[2] if self.whole_heads is not None else self.favoured.length
+        lengths = [0] * (len(self.compressed_heads) + len(other))
         for head in self.compressed_heads.tolist():
             lengths[head] = self.length
-        for head in self.whole_heads.tolist():
-            lengths[head] = self.whole_keys.shape[2]
+        for head in other.tolist():
+            lengths[head] = other_length
         return lengths
 
     def stored_tensors(self) -> list[Tensor]:
-        """Everything this layer stores for its method: entries, degrees, entry records, whole heads."""
+        """Everything this layer stores for its method: entries, degrees, entry records, whole heads,
+        the favoured heads' layer."""
         parts = [
             self.keys,
             self.values,
@@ -278,7 +297,8 @@ class CompressedLayer(DynamicLayer):
             self.whole_keys,
             self.whole_values,
         ]
-        return [t for t in parts if t is not None]
+        favoured = self.favoured.stored_tensors() if self.favoured is not None else []
+        return [t for t in parts if t is not None] + favoured
 
     @property
     def budget_len(self) -> int | None:
@@ -320,28 +340,53 @@ class CompressedLayer(DynamicLayer):
             limit += self.owner.method.compress_interval - 1
         return self.length > limit
 
-    def split_heads(self, whole: list[int]) -> None:
-        """Move the KV heads `whole` into their own tensors, kept whole from now on."""
+    def split_heads(self, listed: list[int], policy: str) -> None:
+        """Move the KV heads `listed` into their own group: tensors kept whole from now on (policy
+        "whole") or a layer of their own with a larger budget ("budget")."""
         n_heads = self.keys.shape[1]
-        if any(not 0 <= head < n_heads for head in whole):
-            raise ValueError(f"layer {self.layer_idx}: heads kept whole {whole} outside 0..{n_heads - 1}")
+        if any(not 0 <= head < n_heads for head in listed):
+            raise ValueError(f"layer {self.layer_idx}: listed heads {listed} outside 0..{n_heads - 1}")
         device = self.keys.device
-        self.whole_heads = torch.tensor(sorted(whole), dtype=torch.long, device=device)
+        other = torch.tensor(sorted(listed), dtype=torch.long, device=device)
         self.compressed_heads = torch.tensor(
-            [h for h in range(n_heads) if h not in whole], dtype=torch.long, device=device
+            [h for h in range(n_heads) if h not in listed], dtype=torch.long, device=device
         )
-        self.whole_keys, self.whole_values = self.keys[:, self.whole_heads], self.values[:, self.whole_heads]
+        if policy == "whole":
+            self.whole_heads = other
+            self.whole_keys, self.whole_values = self.keys[:, other], self.values[:, other]
+        else:
+            self.favoured_heads, self.favoured = other, self._group_layer(other)
         self.keys, self.values = self.keys[:, self.compressed_heads], self.values[:, self.compressed_heads]
         if self.log_degree is not None:
             self.log_degree = self.log_degree[:, self.compressed_heads]
         self.extras = {name: record[:, self.compressed_heads] for name, record in self.extras.items()}
+        self.windows = {
+            name: query_rows(window, self.compressed_heads, n_heads) for name, window in self.windows.items()
+        }
+
+    def _group_layer(self, heads: Tensor) -> CompressedLayer:
+        """A layer of its own for the KV heads `heads` of this one (heads=budget), holding their
+        entries, degrees, records and windows as they are now."""
+        group = CompressedLayer(self.owner, self.layer_idx)
+        group.is_favoured = True
+        group.keys, group.values = self.keys[:, heads], self.values[:, heads]
+        group.log_degree = None if self.log_degree is None else self.log_degree[:, heads]
+        group.extras = {name: record[:, heads] for name, record in self.extras.items()}
+        n_heads = self.keys.shape[1]
+        group.windows = {name: query_rows(window, heads, n_heads) for name, window in self.windows.items()}
+        for attr in ("scaling", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
+            setattr(group, attr, getattr(self, attr))
+        return group
 
     def compress(self) -> None:
         """Shrink this layer to its budget, leaving sinks, the recent window and whole heads untouched."""
         self.owner.plan_budget(self)  # in bytes: what the heads kept whole hold now
         method, budget = self.owner.method, self.budget_len
-        if self.whole_heads is None and (whole := self.owner.heads_kept_whole().get(self.layer_idx)):
-            self.split_heads(whole)
+        listed = self.owner.heads_listed().get(self.layer_idx)
+        if listed and self.compressed_heads is None and not self.is_favoured:
+            self.split_heads(listed, method.heads)
+            if self.favoured is not None and self.favoured.length > self.favoured.budget_len:
+                self.favoured.compress()
         length = self.length
         n_sink, n_recent = method.n_sink, method.n_recent
         if length <= budget or self.keys.shape[1] == 0:
@@ -405,16 +450,20 @@ class CompressedLayer(DynamicLayer):
             "whole_heads",
             "whole_keys",
             "whole_values",
+            "favoured_heads",
+            "is_favoured",
             "scaling",
             "n_seen",
             "prompt_len",
         ):
             setattr(twin, attr, getattr(self, attr))
+        if self.favoured is not None:
+            twin.favoured = self.favoured.fork(owner)
         twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
         for name in owner.entry_needs:
             if name in self.extras:
                 twin.extras[name] = self.extras[name]
-            elif RECORDERS[name].rebuildable and self.length == self.n_seen and self.whole_heads is None:
+            elif RECORDERS[name].rebuildable and self.length == self.n_seen and self.compressed_heads is None:
                 twin.extras[name] = RECORDERS[name].initial(0, tuple(self.keys.shape[:3]), self.keys.device)
             else:
                 raise ValueError(
@@ -428,6 +477,12 @@ class CompressedLayer(DynamicLayer):
                 )
             twin.windows[name] = self.windows[name][:, :, -window:]
         return twin
+
+
+def query_rows(window: Tensor, kv_heads: Tensor, n_kv_heads: int) -> Tensor:
+    """The rows of a window record [B, H_q, w, ...] that belong to the query heads of `kv_heads` (of
+    `n_kv_heads`; KV head h's query heads are rows h * group .. h * group + group - 1)."""
+    return window.unflatten(1, (n_kv_heads, -1))[:, kv_heads].flatten(1, 2)
 
 
 def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> Tensor:
@@ -480,31 +535,42 @@ class CompressedCache(Cache):
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
-        self._kept_whole: dict[int, list[int]] | None = None
+        self._listed: dict[int, list[int]] | None = None
+
+    def heads_listed(self) -> dict[int, list[int]]:
+        """The KV heads per layer that the method's head policy lists, asked once (needs the model:
+        `prepare_model`)."""
+        if self._listed is None:
+            self._listed = self.method.listed_heads(self.model_ref())
+        return self._listed
 
     def heads_kept_whole(self) -> dict[int, list[int]]:
-        """The method's KV heads kept whole per layer, asked once (needs the model: `prepare_model`)."""
-        if self._kept_whole is None:
-            self._kept_whole = self.method.kept_whole(self.model_ref())
-        return self._kept_whole
+        """The listed heads when they are kept whole (heads=whole), else none."""
+        return self.heads_listed() if self.method.heads == "whole" else {}
 
     # --- the budget (module docstring; centroidkv.budget) -------------------------------------------
     def layer_budget_len(self, layer: CompressedLayer) -> int:
-        """B for `layer`: entries per compressed head, in the cache's budget unit."""
+        """B for `layer`: entries per compressed head, in the cache's budget unit (boost x B for the
+        favoured heads' layer under heads=budget)."""
         if self.budget_unit == "entries" or not self.method.compresses:
             entries = budget_entries(self.budget, layer.prompt_len, self.max_new_tokens)
-            return self.method.layer_budget(entries, layer.layer_idx, self.n_layers)
-        if self._byte_plan is None:
-            self.plan_budget(layer)
-        return self._byte_plan[1][layer.layer_idx]
+            budget = self.method.layer_budget(entries, layer.layer_idx, self.n_layers)
+        else:
+            if self._byte_plan is None:
+                self.plan_budget(layer)
+            budget = self._byte_plan[1][layer.layer_idx]
+        if layer.is_favoured:
+            return favoured_len(budget, self.method.heads_boost, layer.prompt_len + self.max_new_tokens)
+        return budget
 
     def plan_budget(self, layer: CompressedLayer) -> None:
-        """In bytes, solve every layer's B for what is stored when `layer` compresses. Heads kept whole
-        grow while decoding, so the plan is solved again at a compression that sees more tokens; between
-        compressions it holds (the cache then grows to B + g, as with entries)."""
+        """In bytes, solve every layer's B for what is stored when `layer` compresses. Listed heads
+        (kept whole, or favoured below their own budget) grow while decoding, so the plan is solved
+        again at a compression that sees more tokens; between compressions it holds (the cache then
+        grows to B + g, as with entries)."""
         if self.budget_unit != "bytes" or not self.method.compresses:
             return
-        key = (layer.prompt_len, layer.n_seen if self.heads_kept_whole() else 0)
+        key = (layer.prompt_len, layer.n_seen if self.heads_listed() else 0)
         if self._byte_plan is None or self._byte_plan[0] != key:
             self._byte_plan = (key, self._solve_byte_plan(layer))
 
@@ -513,20 +579,27 @@ class CompressedCache(Cache):
         the bytes of a full cache of n + Gamma tokens, and one more entry per layer would exceed it.
         Layers are alike (heads, head size, dtype), so `layer` describes them all."""
         batch, _, _, head_dim = layer.keys.shape
-        n_heads = len(layer.head_lengths())  # every KV head of a layer, kept whole or not
+        n_heads = len(self.layers[layer.layer_idx].head_lengths())  # every KV head of a layer
         entry_bytes = 2 * head_dim * layer.keys.element_size()  # a key and a value of one head
         n_records = len(self.entry_needs) + (1 if self.method.merges else 0)  # + the log-degree
         compressed_entry_bytes = batch * (entry_bytes + RECORD_BYTES * n_records)
-        whole = self.heads_kept_whole()
+        listed, whole = self.heads_listed(), self.heads_kept_whole()
+        favoured = {} if whole else listed
         n_layers = self.n_layers
-        compressed_heads = [n_heads - len(whole.get(index, ())) for index in range(n_layers)]
+        compressed_heads = [n_heads - len(listed.get(index, ())) for index in range(n_layers)]
+        favoured_heads = [len(favoured.get(index, ())) for index in range(n_layers)]
         whole_bytes = batch * sum(map(len, whole.values())) * layer.n_seen * entry_bytes
         full_len = layer.prompt_len + self.max_new_tokens
         target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
+        boost = self.method.heads_boost
 
         def stored_bytes(total: int) -> int:
-            per_layer = (self.method.layer_budget(total, index, n_layers) for index in range(n_layers))
+            per_layer = [self.method.layer_budget(total, index, n_layers) for index in range(n_layers)]
             entries = sum(heads * length for heads, length in zip(compressed_heads, per_layer, strict=True))
+            entries += sum(  # a favoured head stores what it has seen, at most its budget
+                heads * min(layer.n_seen, favoured_len(length, boost, full_len))
+                for heads, length in zip(favoured_heads, per_layer, strict=True)
+            )
             return whole_bytes + compressed_entry_bytes * entries
 
         try:

@@ -1,21 +1,26 @@
-"""CentroidKV's outlier heads: the (layer, KV head) pairs that clustering hurts most, and their files.
+"""Head files: a calibrated score for every (layer, KV head) pair, and the heads a head policy lists.
 
-The paper (v1) finds ~4 % of heads that clustering damages and keeps their full cache. Our measure
-of the damage (`calibrate_heads`), on token windows the caller gives: prefill each window with a full
-cache, compress a fork with CentroidKV (its defaults, no outlier heads) to a budget, and compare each
-KV head's attention output for the last 64 queries (its query heads, the degree-aware attention,
-causal) against the full cache's: relative L2 error ||o_compressed - o_full|| / ||o_full||, averaged
-over the windows. The last queries are what the next tokens see, the heads' output (not their keys)
-is what the model consumes, and relative error compares heads of different output scale.
-The worst `fraction` of all (layer, KV head) pairs are the outlier heads.
+A head policy (`centroidkv.heads`) lists the worst `fraction` of all (layer, KV head) pairs by a score
+measured here (`calibrate_heads`), on token windows the caller gives: prefill each window with a full
+cache, shrink it to a budget, and compare each KV head's attention output for the last 64 queries (its
+query heads, the degree-aware attention, causal) against the full cache's: relative L2 error
+||o_compressed - o_full|| / ||o_full||, averaged over the windows. The last queries are what the next
+tokens see, the heads' output (not their keys) is what the model consumes, and relative error compares
+heads of different output scale. Two ways to shrink give the two scores (`HEAD_SCORES`):
 
-The library holds no text: the harness's command (`python -m eval.calibrate --model NAME`) feeds it
-windows of the dev essays and writes the JSON (model, budget, fraction, per-head errors, the list) to
-`<cache dir>/outlier_heads/<model>.json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv; a cut random
-model's file is `<model>-<N>layers.json`). `outlier_heads=auto` reads that file before the one shipped
-in the package (`centroidkv/data/`, the embedded model's), and names the file it read, with its content
-hash, in the job's identity and every record. A model without either file is refused with one line
-(`CalibrationMissing`): reading the heads never loads a tokenizer or runs a prefill.
+  streaming:  keep the first STREAMING_SINKS tokens and a recent window (DuoAttention's criterion: the
+              heads that need more than a streaming window; independent of any compression method);
+  clustering: Chunked Soft Matching with CentroidKV's defaults (the paper's outlier heads, ~4 % of the
+              heads that clustering damages most).
+
+The library holds no text: the harness's command (`python -m eval.calibrate --model NAME --score S`)
+feeds it windows of the dev essays and writes the JSON (model, score, budget, fraction, per-head
+errors, the list) to `<cache dir>/outlier_heads/<model>[.streaming].json` (`$CENTROIDKV_CACHE`, else
+~/.cache/centroidkv; a cut random model's file is `<model>-<N>layers...`). `heads_file=<score>` reads
+that file before the one shipped in the package (`centroidkv/data/`, the embedded model's), and names
+the file it read, with its content hash, in the job's identity and every record. A model without
+either file is refused with one line (`CalibrationMissing`): reading the heads never loads a
+tokenizer or runs a prefill.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ if TYPE_CHECKING:
 
 PACKAGED_DIR = Path(__file__).parent / "data"
 FIELDS = ("model", "budget", "fraction", "n_layers", "n_kv_heads", "errors", "outliers")
+HEAD_SCORES = ("streaming", "clustering")
+STREAMING_SINKS = 4  # the streaming score's sinks (StreamingLLM's paper)
+# The file-name suffix of each score's file: the clustering score keeps the name it always had.
+SCORE_SUFFIX = {"clustering": "", "streaming": ".streaming"}
 
 
 def head_file_key(model_name: str) -> str:
@@ -62,22 +71,28 @@ def user_head_dir() -> Path:
     return cache_dir() / "outlier_heads"
 
 
-def user_head_file(model_name: str) -> Path:
-    """The user's calibration of `model_name`: `<cache dir>/outlier_heads/<key>.json`."""
-    return user_head_dir() / f"{head_file_key(model_name)}.json"
+def check_score(score: str) -> None:
+    if score not in HEAD_SCORES:
+        raise ValueError(f"head score must be one of {', '.join(HEAD_SCORES)}, got {score!r}")
 
 
-def packaged_head_file(model_name: str) -> Path:
-    """The calibration of `model_name` shipped in the package (exists for the embedded model)."""
-    return PACKAGED_DIR / f"outlier_heads_{head_file_key(model_name)}.json"
+def user_head_file(model_name: str, score: str = "clustering") -> Path:
+    """The user's calibration of `model_name` by `score`: `<cache dir>/outlier_heads/<key>[suffix].json`."""
+    check_score(score)
+    return user_head_dir() / f"{head_file_key(model_name)}{SCORE_SUFFIX[score]}.json"
 
 
-def head_file_for(model_name: str) -> Path | None:
-    """The head file `outlier_heads=auto` uses for `model_name`: the user's calibration, else the one
+def packaged_head_file(model_name: str, score: str = "clustering") -> Path:
+    """The calibration of `model_name` by `score` shipped in the package (the embedded model's)."""
+    check_score(score)
+    return PACKAGED_DIR / f"outlier_heads_{head_file_key(model_name)}{SCORE_SUFFIX[score]}.json"
+
+
+def head_file_for(model_name: str, score: str = "clustering") -> Path | None:
+    """The head file `heads_file=<score>` reads for `model_name`: the user's calibration, else the one
     shipped in the package, else None (not calibrated yet)."""
-    return next(
-        (p for p in (user_head_file(model_name), packaged_head_file(model_name)) if p.is_file()), None
-    )
+    candidates = (user_head_file(model_name, score), packaged_head_file(model_name, score))
+    return next((p for p in candidates if p.is_file()), None)
 
 
 def head_file_identity(path: Path) -> str:
@@ -111,23 +126,21 @@ def read_head_file(path: str | Path) -> dict:
     type, errors not an n_layers x n_kv_heads matrix of finite numbers) raises one ValueError line."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(
-            f"centroidkv: outlier_heads file {str(path)!r} does not exist (none, auto or a path)"
-        )
+        raise ValueError(f"heads_file {str(path)!r} does not exist ({' or '.join(HEAD_SCORES)} or a path)")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"centroidkv: outlier_heads file {path} is not valid JSON: {error}") from None
+        raise ValueError(f"heads_file {path} is not valid JSON: {error}") from None
     missing = [key for key in FIELDS if not isinstance(data, dict) or key not in data]
     if missing:
-        raise ValueError(f"centroidkv: outlier_heads file {path} lacks {', '.join(missing)}")
+        raise ValueError(f"heads_file {path} lacks {', '.join(missing)}")
     wrong = [key for key in ("n_layers", "n_kv_heads") if not _is_count(data[key])]
     wrong += [key for key in ("budget", "fraction") if not _is_number(data[key])]
     wrong += [key for key in ("model",) if not isinstance(data[key], str)]
     wrong += [key for key in ("outliers",) if not isinstance(data[key], list)]
     if wrong:
         raise ValueError(
-            f"centroidkv: outlier_heads file {path}: wrong type of {', '.join(wrong)} (n_layers and "
+            f"heads_file {path}: wrong type of {', '.join(wrong)} (n_layers and "
             "n_kv_heads are positive integers, budget and fraction numbers, model a name, outliers a list)"
         )
     errors = data["errors"]
@@ -138,7 +151,7 @@ def read_head_file(path: str | Path) -> dict:
         or not all(_is_number(error) for row in errors for error in row)
     ):
         raise ValueError(
-            f"centroidkv: outlier_heads file {path}: errors must be an n_layers x n_kv_heads "
+            f"heads_file {path}: errors must be an n_layers x n_kv_heads "
             f"({data['n_layers']} x {data['n_kv_heads']}) matrix of finite numbers"
         )
     return data
@@ -158,7 +171,7 @@ def check_head_file(path: Path, data: dict, model_name: str, shape: tuple[int, i
     if not same_model(data["model"], model_name) or (shape is not None and found != tuple(shape)):
         wanted = f" ({shape[0]} x {shape[1]})" if shape is not None else ""
         raise ValueError(
-            f"centroidkv: outlier_heads file {path} was calibrated on {data['model']!r} "
+            f"heads_file {path} was calibrated on {data['model']!r} "
             f"({found[0]} x {found[1]} layers x KV heads), not {model_name!r}{wanted}"
         )
 
@@ -177,23 +190,24 @@ def worst_heads(errors: list[list[float]], fraction: float) -> dict[int, list[in
 
 
 class CalibrationMissing(ValueError):
-    """`outlier_heads=auto` on a model with no head file: one line naming the command that writes
-    it. `model_name` and `path` (the file `auto` would read) let a caller calibrate and ask again."""
+    """`heads_file=<score>` on a model with no head file: one line naming the command that writes it.
+    `model_name`, `path` (the file the score would read) and `score` let a caller calibrate and ask again."""
 
-    def __init__(self, model_name: str, path: Path):
+    def __init__(self, model_name: str, path: Path, score: str = "clustering"):
         super().__init__(
-            f"centroidkv: no outlier-head calibration for {model_name!r} ({path}); run "
-            f"`python -m eval.calibrate --model {model_name}` first, or use outlier_heads=none"
+            f"no {score} head calibration for {model_name!r} ({path}); run "
+            f"`python -m eval.calibrate --model {model_name} --score {score}` first, or use heads=none"
         )
-        self.model_name, self.path = model_name, path
+        self.model_name, self.path, self.score = model_name, path, score
 
 
 _warned: set[tuple[str, str]] = set()  # (head file, differing settings) already warned about
 
 
 def warn_if_settings_differ(path: Path, data: dict, settings: dict | None) -> None:
-    """One warning line (once per file and difference) when CentroidKV runs with settings other than
-    those the head file was calibrated with: its outlier heads were chosen for another clustering."""
+    """One warning line (once per file and difference) when a method runs with settings other than
+    those the head file was calibrated with (CentroidKV on a clustering score: its heads were chosen
+    for another clustering)."""
     calibrated = data.get("method")
     if not settings or not isinstance(calibrated, dict):
         return
@@ -204,29 +218,28 @@ def warn_if_settings_differ(path: Path, data: dict, settings: dict | None) -> No
     if (str(path), text) not in _warned:
         _warned.add((str(path), text))
         print(
-            f"centroidkv: warning: outlier heads of {path.name} were calibrated with other settings: {text}",
+            f"centroidkv: warning: the heads of {path.name} were calibrated with other settings: {text}",
             file=sys.stderr,
         )
 
 
-def outlier_heads_for(
+def listed_heads_for(
     model, source: str | Path, fraction: float, settings: dict | None = None
 ) -> dict[int, list[int]]:
-    """Outlier heads of `model` from `source` ("auto" or a path), the worst `fraction` by error.
-    `settings`: the CentroidKV parameters of the run, compared with the file's (one warning line).
-    Reads a file only: `auto` on a model without one raises `CalibrationMissing` (one line)."""
+    """The heads of `model` a policy lists, from `source` (a score of `HEAD_SCORES` or a path): the
+    worst `fraction` by error. `settings`: the method's parameters, compared with those the file was
+    calibrated with (one warning line). Reads a file only: a score on a model without its file raises
+    `CalibrationMissing` (one line)."""
     if model is None:
-        raise ValueError(
-            "centroidkv: outlier heads need the model (a cache on a model prepared by centroidkv)"
-        )
+        raise ValueError("a head policy needs the model (a cache on a model prepared by centroidkv)")
     name = getattr(model, "centroidkv_name", "")
     shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
-    if round(fraction * shape[0] * shape[1]) == 0:  # no head to keep whole: nothing to read or calibrate
+    if round(fraction * shape[0] * shape[1]) == 0:  # no head to list: nothing to read or calibrate
         return {}
-    if str(source) == "auto":
-        path = head_file_for(name)
+    if str(source) in HEAD_SCORES:
+        path = head_file_for(name, str(source))
         if path is None:
-            raise CalibrationMissing(name, user_head_file(name))
+            raise CalibrationMissing(name, user_head_file(name, str(source)), str(source))
     else:
         path = Path(source)
     data = read_head_file(path)
@@ -255,32 +268,63 @@ def kv_head_energy(outputs: Tensor, n_kv_heads: int) -> Tensor:
     return outputs.square().unflatten(1, (n_kv_heads, -1)).sum(dim=(0, 2, 3, 4))
 
 
-def head_errors(model, prompts: list[Tensor], budget: float, method=None, n_queries: int = 64) -> Tensor:
-    """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output (see the module)."""
+def head_errors(
+    model, prompts: list[Tensor], budget: float, score: str = "clustering", n_queries: int = 64
+) -> Tensor:
+    """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output under `score`'s
+    way of shrinking the cache to `budget` (see the module)."""
     import torch
 
+    check_score(score)
     with torch.inference_mode():
-        return _head_errors(model, prompts, budget, method, n_queries)
+        return _head_errors(model, prompts, budget, score, n_queries)
 
 
-def _head_errors(model, prompts: list[Tensor], budget: float, method, n_queries: int) -> Tensor:
+def clustering_method():
+    """CentroidKV with its defaults and no head policy: what the clustering score measures."""
+    from centroidkv import get_method
+
+    return get_method("centroidkv", heads="none")
+
+
+def streaming_window(keys: Tensor, values: Tensor, budget: float) -> tuple[Tensor, Tensor]:
+    """The streaming score's cache: the first `STREAMING_SINKS` entries and the most recent ones, for
+    int(budget x T) entries in all."""
+    import torch
+
+    length = keys.shape[2]
+    kept = max(STREAMING_SINKS + 1, int(budget * length))
+    if kept >= length:
+        return keys, values
+    index = torch.cat(
+        [torch.arange(STREAMING_SINKS), torch.arange(length - (kept - STREAMING_SINKS), length)]
+    ).to(keys.device)
+    return keys[:, :, index], values[:, :, index]
+
+
+def _head_errors(model, prompts: list[Tensor], budget: float, score: str, n_queries: int) -> Tensor:
     import torch
     from tqdm import tqdm
 
-    from centroidkv import CompressedCache, get_method
+    from centroidkv import CompressedCache
     from centroidkv.needs import query_window
 
-    method = method or get_method("centroidkv", outlier_heads="none")
+    method = clustering_method() if score == "clustering" else None
+    needs = [*query_window(n_queries), *(method.needs() if method else ())]
     total = None
-    for ids in tqdm(prompts, desc="calibrating outlier heads", unit="prompt"):
-        full = CompressedCache("full", 1.0, 0, needs=[*query_window(n_queries), *method.needs()])
+    for ids in tqdm(prompts, desc=f"calibrating heads ({score} score)", unit="prompt"):
+        full = CompressedCache("full", 1.0, 0, needs=needs)
         model(ids, past_key_values=full, logits_to_keep=1)
-        compressed = full.fork(method, budget)
+        compressed = full.fork(method, budget).layers if method else [None] * len(full.layers)
         rows = []
-        for reference, layer in zip(full.layers, compressed.layers, strict=True):
+        for reference, layer in zip(full.layers, compressed, strict=True):
             queries = reference.queries
             expected = head_attention(queries, reference.keys, reference.values, None, reference.scaling)
-            got = head_attention(queries, layer.keys, layer.values, layer.log_degree, reference.scaling)
+            if layer is None:
+                keys, values = streaming_window(reference.keys, reference.values, budget)
+                got = head_attention(queries, keys, values, None, reference.scaling)
+            else:
+                got = head_attention(queries, layer.keys, layer.values, layer.log_degree, reference.scaling)
             n_kv_heads = reference.keys.shape[1]
             rows.append(
                 (kv_head_energy(got - expected, n_kv_heads) / kv_head_energy(expected, n_kv_heads)).sqrt()
@@ -290,6 +334,13 @@ def _head_errors(model, prompts: list[Tensor], budget: float, method, n_queries:
     return total / len(prompts)
 
 
+MEASURES = {
+    "clustering": "relative L2 error of each KV head's attention output, clustered (CentroidKV) vs full cache",
+    "streaming": f"relative L2 error of each KV head's attention output, {STREAMING_SINKS} sinks + a recent "
+    "window vs full cache (DuoAttention's criterion)",
+}
+
+
 def calibrate_heads(
     model,
     name: str,
@@ -297,26 +348,26 @@ def calibrate_heads(
     budget: float = 0.25,
     fraction: float = 0.04,
     text: str = "",
+    score: str = "clustering",
 ) -> dict:
-    """Measure every head's error on the token windows `prompts` ([1, T] each, on any device) and
-    return the head file's content; `text` says in words what the windows are (kept in the file)."""
-    from centroidkv import get_method
-
+    """Measure every head's error by `score` on the token windows `prompts` ([1, T] each, on any
+    device) and return the head file's content; `text` says in words what the windows are."""
     device = next(model.parameters()).device
-    method = get_method("centroidkv", outlier_heads="none")  # its defaults, no outlier heads
-    errors = head_errors(model, [ids.to(device) for ids in prompts], budget, method)
+    errors = head_errors(model, [ids.to(device) for ids in prompts], budget, score)
     data = {
         "model": name,
+        "score": score,
         "budget": budget,
-        "budget_unit": DEFAULT_BUDGET_UNIT,
+        "budget_unit": DEFAULT_BUDGET_UNIT if score == "clustering" else "entries",
         "fraction": fraction,
         "n_layers": errors.shape[0],
         "n_kv_heads": errors.shape[1],
         "text": text,
-        "measure": "relative L2 error of each KV head's attention output, clustered vs full cache",
-        "method": {k: v for k, v in method.params().items() if not k.startswith("outlier")},
+        "measure": MEASURES[score],
         "errors": [[round(float(e), 6) for e in row] for row in errors],
     }
+    if score == "clustering":  # the settings whose damage was measured (a run with others is warned)
+        data["method"] = {k: v for k, v in clustering_method().params().items() if not k.startswith("heads")}
     data["outliers"] = [
         [layer, head] for layer, heads in worst_heads(data["errors"], fraction).items() for head in heads
     ]

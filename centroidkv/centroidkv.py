@@ -17,12 +17,13 @@ of the ablation on the embedded model, `make ablate`, docs/results.md "Choosing 
   similarity: "post_rope" (the cached keys) or "pre_rope" (keys with the model's rotary embedding
     undone at each entry's degree-weighted mean position, recorded as the "position" need and counted
     in kv_bytes). Merging always averages the cached (post-RoPE) keys and the values.
-  outlier_heads: "none", "auto" (the calibrated list of the model the cache runs on: the user cache
-    dir, else the list shipped in the package; a model with neither is refused with one line naming
-    `python -m eval.calibrate`, which the harness's runner runs itself when the model loads) or a
-    path to a JSON written by `python -m eval.calibrate`. Outlier KV heads keep every token, on top of the
-    budget (as in the paper); the other heads are compressed to the budget.
-  outlier_fraction: the worst fraction of (layer, KV head) pairs, by calibration error, kept whole.
+  heads, heads_file, heads_fraction, heads_boost: the head policy every method has
+    (`centroidkv.heads`). CentroidKV's default is the paper's: heads="whole" with the "clustering"
+    score, the 4 % of (layer, KV head) pairs that clustering damages most keep every token (the
+    calibrated list of the model the cache runs on: the user cache dir, else the list shipped in the
+    package; a model with neither is refused with one line naming `python -m eval.calibrate`, which
+    the harness's runner runs itself when the model loads). In bytes the whole heads are paid for by
+    the compressed ones.
   n_sink, n_recent: protected first / last tokens (paper: 16 / 64).
   compress_interval: g, re-compression interval during decoding (ours: 64).
 """
@@ -30,7 +31,6 @@ of the ablation on the embedded model, `make ablate`, docs/results.md "Choosing 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,17 +78,6 @@ def undo_rope(keys: Tensor, positions: Tensor, rotary, unit: bool = False) -> Te
     return unrotated
 
 
-def _model_shape(model_name: str) -> tuple[int, int] | None:
-    """(layers, KV heads) of a named model without loading it; None when unknown (a hub model not in
-    the local cache, or a name the config validation reports on its own)."""
-    from centroidkv.models import model_shape
-
-    try:
-        return model_shape(model_name)
-    except ValueError:
-        return None
-
-
 @register
 @dataclass
 class CentroidKV(Method):
@@ -102,8 +91,8 @@ class CentroidKV(Method):
     delta_r: float = 0.0
     r_min: float = 0.1
     similarity: str = "pre_rope"
-    outlier_heads: str = "auto"
-    outlier_fraction: float = 0.04
+    heads: str = "whole"
+    heads_file: str = "clustering"
 
     def validate(self) -> None:
         super().validate()
@@ -124,15 +113,6 @@ class CentroidKV(Method):
         check_float(self, "r_min", 0.0, 1.0, low_open=True)
         if self.r_min > self.r_init:
             raise ValueError(f"centroidkv: r_min ({self.r_min}) must not exceed r_init ({self.r_init})")
-        check_float(self, "outlier_fraction", 0.0, 1.0)
-        if not isinstance(self.outlier_heads, (str, Path)):
-            raise ValueError(
-                f"centroidkv: outlier_heads must be none, auto or a path, got {self.outlier_heads!r}"
-            )
-        if str(self.outlier_heads) not in ("none", "auto"):
-            from centroidkv.calibrate import read_head_file
-
-            read_head_file(self.outlier_heads)  # a missing or malformed file fails here, with one line
 
     @property
     def rows_independent(self) -> bool:
@@ -141,61 +121,10 @@ class CentroidKV(Method):
     def needs(self) -> tuple[Need, ...]:
         return (POSITION,) if self.similarity == "pre_rope" else ()
 
-    def head_file(self, model_name: str) -> Path | None:
-        """The head file this configuration reads on `model_name`: its path, or for `auto` the user's
-        calibration, else the package's, else the user's file that calibration would write; None when
-        no head is kept whole (none, a fraction of 0, or one that rounds to no head of the model)."""
-        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
-            return None
-        shape = _model_shape(model_name)
-        if shape is not None and round(self.outlier_fraction * shape[0] * shape[1]) == 0:
-            return None
-        from centroidkv.calibrate import head_file_for, user_head_file
-
-        if str(self.outlier_heads) != "auto":
-            return Path(self.outlier_heads)
-        return head_file_for(model_name) or user_head_file(model_name)
-
-    def check_model(self, model_name: str) -> None:
-        """A head file calibrated on another model, or for another shape (layers x KV heads, when the
-        model's shape is known without loading it), is refused before any model work."""
-        from centroidkv.calibrate import check_head_file, read_head_file
-
-        explicit = str(self.outlier_heads) not in ("none", "auto")
-        path = Path(self.outlier_heads) if explicit else self.head_file(model_name)
-        if path is not None and (explicit or path.is_file()):  # auto without a file: calibrated on load
-            check_head_file(path, read_head_file(path), model_name, _model_shape(model_name))
-
-    def identity_fields(self, model_name: str) -> dict[str, Any]:
-        """The head file read on `model_name` and its content hash (`outlier_heads_file`): a user
-        calibration written later changes what `auto` reads, so it changes the job's identity."""
-        path = self.head_file(model_name)
-        if path is None:
-            return {}
-        from centroidkv.calibrate import head_file_identity
-
-        return {"outlier_heads_file": head_file_identity(path)}
-
-    def kept_whole_fraction(self, model_name: str) -> float:
-        """The fraction of KV heads kept whole on `model_name`, from its head file (0 when none is
-        kept, or when `auto` has no file yet: the runner calibrates it when the model loads)."""
-        path = self.head_file(model_name)
-        if path is None or not path.is_file():
-            return 0.0
-        from centroidkv.calibrate import read_head_file, worst_heads
-
-        data = read_head_file(path)
-        kept = sum(len(heads) for heads in worst_heads(data["errors"], self.outlier_fraction).values())
-        return kept / (data["n_layers"] * data["n_kv_heads"])
-
-    def kept_whole(self, model) -> dict[int, list[int]]:
-        """The outlier heads of `model` from its head file; never calibrates (`CalibrationMissing`)."""
-        if str(self.outlier_heads) == "none" or self.outlier_fraction == 0:
-            return {}
-        from centroidkv.calibrate import outlier_heads_for
-
-        settings = {k: v for k, v in self.params().items() if not k.startswith("outlier")}
-        return outlier_heads_for(model, self.outlier_heads, self.outlier_fraction, settings)
+    def calibration_settings(self) -> dict[str, Any]:
+        """A clustering-score head file records the CentroidKV settings it measured; runs with others
+        are warned that the heads were chosen for another clustering."""
+        return {k: v for k, v in self.params().items() if not k.startswith("heads")}
 
     @property
     def merge_schedule(self) -> LinearSchedule | AdaptiveSchedule:

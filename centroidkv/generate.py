@@ -110,7 +110,7 @@ def generate(
     `warm`: first run `warm_up` with the methods, so that a process's one-time costs (the first
     compression is several times slower) stay out of the times.
     Raises ValueError (one line) for a bad method, budget, unit or protocol, or for CentroidKV's
-    `outlier_heads=auto` on a model not calibrated yet (`python -m eval.calibrate`).
+    a head policy on a model not calibrated yet (`python -m eval.calibrate`).
     """
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
@@ -129,7 +129,7 @@ def generate(
     own_head, own_tail = chat_prompt_ids(tokenizer, message, question, context_only=True)
     eos = eos_ids(model, tokenizer)
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
-        method.kept_whole(model)
+        method.listed_heads(model)
     if warm:
         warm_up(model, [method for _, method in named])
     shared = [method for _, method in named if not method.compresses_in_prefill]

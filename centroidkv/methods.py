@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import pkgutil
 import sys
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
+from centroidkv.heads import check_head_policy
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
 
@@ -61,6 +64,12 @@ class Method:
       n_sink: first tokens never compressed (attention sinks).
       n_recent: last tokens never compressed (recent window).
       compress_interval: g, decoding re-compresses when the cache reaches budget + g.
+      heads: the head policy (`centroidkv.heads`): "none", "whole" (the listed KV heads keep every
+        entry) or "budget" (the listed heads keep `heads_boost` times the entries of the others).
+      heads_file: which heads are listed: "streaming" (the model's calibration by DuoAttention's
+        criterion), "clustering" (by CentroidKV's clustering error) or a head file's path.
+      heads_fraction: the worst fraction of all (layer, KV head) pairs that is listed.
+      heads_boost: under heads=budget, the listed heads' entries over the others' (> 1).
     Subclasses declare their own parameters as dataclass fields with their paper's defaults and
     extend `validate`.
     """
@@ -78,6 +87,10 @@ class Method:
     n_sink: int = 16
     n_recent: int = 64
     compress_interval: int = 64
+    heads: str = "none"
+    heads_file: str = "streaming"
+    heads_fraction: float = 0.04
+    heads_boost: float = 4.0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,31 +121,84 @@ class Method:
         by the rows of a batch, e.g. CentroidKV's adaptive schedule: tensors stay rectangular)."""
         return True
 
+    # --- the head policy (centroidkv.heads) ---------------------------------------------------------
+    def head_file(self, model_name: str) -> Path | None:
+        """The head file this policy reads on `model_name`: its path, or for a score the user's
+        calibration, else the package's, else the user's file that calibration would write; None when
+        no head is listed (heads=none, a fraction of 0, or one that rounds to no head of the model)."""
+        if self.heads == "none" or self.heads_fraction == 0 or not self.compresses:
+            return None
+        shape = _model_shape(model_name)
+        if shape is not None and round(self.heads_fraction * shape[0] * shape[1]) == 0:
+            return None
+        from centroidkv.calibrate import HEAD_SCORES, head_file_for, user_head_file
+
+        if str(self.heads_file) not in HEAD_SCORES:
+            return Path(self.heads_file)
+        return head_file_for(model_name, self.heads_file) or user_head_file(model_name, self.heads_file)
+
     def check_model(self, model_name: str) -> None:
         """Raise ValueError when this method's parameters cannot run on `model_name` (checked by the
-        runner's config validation, before any model loads). Nothing to check by default."""
+        runner's config validation, before any model loads): a head file calibrated on another model,
+        or for another shape (layers x KV heads, when known without loading the model)."""
+        from centroidkv.calibrate import HEAD_SCORES, check_head_file, read_head_file
 
-    def kept_whole(self, model) -> dict[int, list[int]]:
-        """KV heads, per layer index, that keep every entry and are never compressed (CentroidKV's
-        outlier heads); called once when a cache first compresses on `model`, so it only reads what
-        is known (a file), never runs the model. None by default."""
-        return {}
+        explicit = self.heads != "none" and str(self.heads_file) not in HEAD_SCORES
+        path = self.head_file(model_name)
+        if path is not None and (explicit or path.is_file()):  # a score without a file: calibrated on load
+            check_head_file(path, read_head_file(path), model_name, _model_shape(model_name))
 
     def identity_fields(self, model_name: str) -> dict[str, Any]:
-        """What, beyond its parameters, decides this method's numbers on `model_name` (e.g. a file it
-        reads, named with its content hash), known before the model loads. The runner adds each field
-        to the job's identity (`methods.<variant>.<key>`) and to every record. None by default."""
-        return {}
+        """What, beyond its parameters, decides this method's numbers on `model_name`, known before the
+        model loads; the runner adds each field to the job's identity (`methods.<variant>.<key>`) and to
+        every record. Here: the head file a policy reads, with its content hash (`heads_file_read`):
+        a user calibration written later changes what a score reads, so it changes the identity."""
+        path = self.head_file(model_name)
+        if path is None:
+            return {}
+        from centroidkv.calibrate import head_file_identity
 
-    def kept_whole_fraction(self, model_name: str) -> float:
-        """The fraction of `model_name`'s KV heads that `kept_whole` will keep, known before the model
-        loads (the runner refuses a byte budget these heads alone would exceed). 0 by default."""
-        return 0.0
+        return {"heads_file_read": head_file_identity(path)}
+
+    def listed_fraction(self, model_name: str) -> float:
+        """The fraction of `model_name`'s KV heads the policy lists, known before the model loads (the
+        runner refuses a byte budget these heads alone would exceed). 0 when none is listed, or when
+        a score has no file yet: the runner calibrates it when the model loads."""
+        path = self.head_file(model_name)
+        if path is None or not path.is_file():
+            return 0.0
+        from centroidkv.calibrate import read_head_file, worst_heads
+
+        data = read_head_file(path)
+        listed = sum(len(heads) for heads in worst_heads(data["errors"], self.heads_fraction).values())
+        return listed / (data["n_layers"] * data["n_kv_heads"])
+
+    @property
+    def listed_boost(self) -> float:
+        """How many times the entries of the other heads a listed head keeps (inf: every entry)."""
+        return math.inf if self.heads == "whole" else self.heads_boost
+
+    def calibration_settings(self) -> dict[str, Any] | None:
+        """The parameters compared with those a head file was calibrated with (None: not compared)."""
+        return None
+
+    def listed_heads(self, model) -> dict[int, list[int]]:
+        """KV heads, per layer index, that the head policy lists (kept whole under heads=whole, given
+        more entries under heads=budget); called once when a cache first compresses on `model`, so it
+        only reads a file, never runs the model (`centroidkv.calibrate.CalibrationMissing`)."""
+        if self.heads == "none" or self.heads_fraction == 0 or not self.compresses:
+            return {}
+        from centroidkv.calibrate import listed_heads_for
+
+        return listed_heads_for(model, self.heads_file, self.heads_fraction, self.calibration_settings())
 
     def validate(self) -> None:
         check_int(self, "n_sink", minimum=0)
         check_int(self, "n_recent", minimum=0)
         check_int(self, "compress_interval", minimum=1)
+        check_head_policy(self.name, self.heads, self.heads_file, self.heads_fraction, self.heads_boost)
+        if self.heads != "none" and not self.compresses:
+            raise ValueError(f"{self.name}: a head policy needs a method that compresses (heads=none)")
 
     def layer_budget(self, budget_len: int, layer_idx: int, n_layers: int) -> int:
         """Tokens this layer may keep; methods with per-layer budgets (PyramidKV) override it."""
@@ -182,6 +248,17 @@ def check_float(method: Method, field: str, low: float, high: float, low_open: b
     if not ok:
         bracket = "(" if low_open else "["
         raise ValueError(f"{method.name}: {field} must be a number in {bracket}{low}, {high}], got {value!r}")
+
+
+def _model_shape(model_name: str) -> tuple[int, int] | None:
+    """(layers, KV heads) of a named model without loading it; None when unknown (a hub model not in
+    the local cache, or a name the config validation reports on its own)."""
+    from centroidkv.models import model_shape
+
+    try:
+        return model_shape(model_name)
+    except ValueError:
+        return None
 
 
 REGISTRY: dict[str, type[Method]] = {}

@@ -1,12 +1,12 @@
 """Calibrate CentroidKV's outlier heads on the dev essays: the command line and the runner's step.
 
-    python -m eval.calibrate --model smollm2-135m [--budget 0.25] [--fraction 0.04]
+    python -m eval.calibrate --model smollm2-135m [--score clustering|streaming] [--budget 0.25] [--fraction 0.04]
 
 The measure is the library's (`centroidkv.calibrate.calibrate_heads`); the text is the harness's:
 `--prompts` consecutive windows of `--tokens` tokens of the dev half of the Paul Graham essays
 (`eval.text`), the half no reported result reads. The JSON goes to
-`<cache dir>/outlier_heads/<model>.json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv), where
-`outlier_heads=auto` reads it, or to `--out`.
+`<cache dir>/outlier_heads/<model>[.streaming].json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv),
+where `heads_file=<score>` reads it, or to `--out`.
 
 The runner calls `calibrate_missing` right after the model loads: a file `auto` lacks is calibrated
 then, with a printed line and a progress bar, never inside a compression.
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from centroidkv.budget import check_protected_fit, protected_entries
 from centroidkv.calibrate import (
+    HEAD_SCORES,
     CalibrationMissing,
     calibrate_heads,
     user_head_file,
@@ -58,6 +59,7 @@ def calibrate(
     fraction: float = 0.04,
     n_prompts: int = 2,
     n_tokens: int = 4096,
+    score: str = "clustering",
 ) -> dict:
     """Measure every head's error on the dev essays and return the head file's content (the model's
     own tokenizer when none is given)."""
@@ -70,24 +72,25 @@ def calibrate(
         "tokens, last 64 queries"
     )
     prompts = essay_prompts(tokenizer, n_prompts, n_tokens)
-    return calibrate_heads(model, name, prompts, budget, fraction, text)
+    return calibrate_heads(model, name, prompts, budget, fraction, text, score)
 
 
 def calibrate_missing(model, methods: Iterable[Method]) -> None:
-    """Resolve each method's heads kept whole on `model` now (`Method.kept_whole`); a head file that
-    `outlier_heads=auto` lacks is calibrated first, saying so on stderr, and written where `auto`
-    reads it. Other errors (a file of another model) pass through."""
+    """Resolve each method's listed heads on `model` now (`Method.listed_heads`); a head file that a
+    score lacks is calibrated first, saying so on stderr, and written where the score reads it. Other
+    errors (a file of another model) pass through."""
     for method in methods:
         try:
-            method.kept_whole(model)
+            method.listed_heads(model)
         except CalibrationMissing as missing:
             print(
-                f"calibrate: no outlier-head calibration for {missing.model_name!r} yet; calibrating on "
-                f"the dev essays, written to {missing.path}",
+                f"calibrate: no {missing.score} head calibration for {missing.model_name!r} yet; "
+                f"calibrating on the dev essays, written to {missing.path}",
                 file=sys.stderr,
             )
-            write_head_file(calibrate(model, missing.model_name), missing.path)
-            method.kept_whole(model)
+            data = calibrate(model, missing.model_name, score=missing.score)
+            write_head_file(data, missing.path)
+            method.listed_heads(model)
 
 
 def check_writable(path: Path) -> None:
@@ -108,11 +111,11 @@ def check_window_fits(budget: float, n_tokens: int) -> None:
     `n_tokens`-token window than their protected tokens. The arithmetic is the cache's
     (`centroidkv.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
     (per-entry records), so a window at the very edge still fails in the cache, with one line too."""
-    from centroidkv.budget import budget_entries, compressed_fraction
+    from centroidkv.budget import budget_entries
     from centroidkv.methods import get_method
 
-    method = get_method("centroidkv", outlier_heads="none")
-    entries = budget_entries(compressed_fraction(budget, 0.0), n_tokens, 0)
+    method = get_method("centroidkv", heads="none")
+    entries = budget_entries(budget, n_tokens, 0)
     at_least = math.ceil(protected_entries(method.n_sink, method.n_recent) / budget)
     check_protected_fit(
         entries,
@@ -136,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fraction", type=float, default=0.04, help="worst fraction of (layer, KV head) pairs kept whole"
     )
+    parser.add_argument(
+        "--score",
+        choices=HEAD_SCORES,
+        default="clustering",
+        help="clustering: CentroidKV's clustering error; streaming: sinks + recent window (DuoAttention's)",
+    )
     parser.add_argument("--prompts", type=int, default=2, help="essay windows the errors are averaged over")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per essay window")
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="the JSON to write (None: <cache dir>/outlier_heads/<model>.json, read by outlier_heads=auto)",
+        help="the JSON to write (None: <cache dir>/outlier_heads/<model>[.streaming].json, read by heads_file=<score>)",
     )
     args = parser.parse_args(argv)
     from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompts < 1 or args.tokens < 1:
             raise ValueError("--prompts and --tokens must be >= 1")
         check_window_fits(args.budget, args.tokens)
-        out = args.out or user_head_file(name)
+        out = args.out or user_head_file(name, args.score)
         check_writable(out)
     except ValueError as error:
         print(f"calibrate: {error}", file=sys.stderr)
@@ -168,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibrate: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
         return 2
     try:
-        data = calibrate(model, name, tokenizer, args.budget, args.fraction, args.prompts, args.tokens)
+        data = calibrate(
+            model, name, tokenizer, args.budget, args.fraction, args.prompts, args.tokens, args.score
+        )
     except ValueError as error:  # e.g. a budget the cache finds too small by a few entries (in bytes)
         print(f"calibrate: {first_line(error)}", file=sys.stderr)
         return 2
     path = write_head_file(data, out)
     print(
-        f"{len(data['outliers'])} outlier heads of {data['n_layers'] * data['n_kv_heads']}: {data['outliers']}"
+        f"{len(data['outliers'])} listed heads of {data['n_layers'] * data['n_kv_heads']}: {data['outliers']}"
     )
     print(f"written to {path}")
     return 0

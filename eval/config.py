@@ -21,9 +21,9 @@ from centroidkv.budget import (
     DEFAULT_BUDGET_UNIT,
     budget_entries,
     check_protected_fit,
-    compressed_fraction,
 )
 from centroidkv.errors import first_line
+from centroidkv.heads import compressed_fraction
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -472,7 +472,7 @@ def _budget_errors(
     - a budget that cannot hold the method's protected tokens (sinks, recent window, one more) at the
       benchmark's shortest length, when a length counts the sample's prompt and new tokens (RULER,
       NIAH): every sample would fail at its first compression. In bytes the compressed heads' share is
-      estimated (`centroidkv.budget.compressed_fraction`); the cache checks the exact one at run time."""
+      estimated (`centroidkv.heads.compressed_fraction`); the cache checks the exact one at run time."""
     from centroidkv import get_method
 
     errors = []
@@ -483,7 +483,9 @@ def _budget_errors(
         fraction = spec.budget
         if budget_unit == "bytes":
             try:
-                fraction = compressed_fraction(spec.budget, method.kept_whole_fraction(model_name))
+                fraction = compressed_fraction(
+                    spec.budget, method.listed_fraction(model_name), method.listed_boost
+                )
             except ValueError as error:
                 errors.append(f"budgets: {spec.label} in bytes on {model_name}: {error}")
                 continue

@@ -29,12 +29,12 @@ from eval.text import essay_text  # noqa: E402
 CONFIGS = {
     "post-none-c256-const (old default)": {},
     "post-none-c256-adapt": {"schedule": "adaptive"},
-    "post-out-c64-const": {"outlier_heads": "auto", "chunk_size": 64},
-    "post-out-c256-const": {"outlier_heads": "auto"},
-    "post-out-c64-adapt": {"outlier_heads": "auto", "chunk_size": 64, "schedule": "adaptive"},
+    "post-out-c64-const": {"heads": "whole", "chunk_size": 64},
+    "post-out-c256-const": {"heads": "whole"},
+    "post-out-c64-adapt": {"heads": "whole", "chunk_size": 64, "schedule": "adaptive"},
     "pre-none-c64-const": {"similarity": "pre_rope", "chunk_size": 64},
-    "pre-out-c256-const": {"similarity": "pre_rope", "outlier_heads": "auto"},
-    "pre-out-c256-adapt": {"similarity": "pre_rope", "outlier_heads": "auto", "schedule": "adaptive"},
+    "pre-out-c256-const": {"similarity": "pre_rope", "heads": "whole"},
+    "pre-out-c256-adapt": {"similarity": "pre_rope", "heads": "whole", "schedule": "adaptive"},
     "post-none-c256-anneal (r 1.0 - 0.2 j, floor 0.3)": {"r_init": 1.0, "delta_r": 0.2, "r_min": 0.3},
 }
 

@@ -92,8 +92,8 @@ def rotary_embedding(head_dim: int):
 
 def timing_table(args: argparse.Namespace) -> list[dict]:
     methods = {
-        "csm": get_method("centroidkv", outlier_heads="none"),
-        "csm_post": get_method("centroidkv", outlier_heads="none", similarity="post_rope"),
+        "csm": get_method("centroidkv", heads="none"),
+        "csm_post": get_method("centroidkv", heads="none", similarity="post_rope"),
     }
     rotary = rotary_embedding(args.head_dim)
     rows = []
@@ -160,7 +160,7 @@ def error_table(args: argparse.Namespace) -> dict[str, float]:
     ids = tokenizer(essay_text(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
     # CentroidKV's compress() sees every head here (keeping outlier heads whole is the cache's job)
     csm, kmeans = (
-        get_method("centroidkv", outlier_heads="none"),
+        get_method("centroidkv", heads="none"),
         get_method("kmeans", iterations=args.iterations),
     )
     recorder = CompressedCache("full", 1.0, 0, needs=[*query_window(args.queries), *csm.needs()])

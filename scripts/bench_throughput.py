@@ -118,7 +118,7 @@ def method_for(name: str, model_name: str):
     from centroidkv.models import RANDOM_MODELS, parse_model_name
 
     if name == "centroidkv" and parse_model_name(model_name)[0] in RANDOM_MODELS:
-        return get_method(name, outlier_heads="none")
+        return get_method(name, heads="none")
     return get_method(name)
 
 

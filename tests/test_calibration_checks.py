@@ -2,7 +2,7 @@
 
 5. A head file of another shape (layers x KV heads), or with values of the wrong type, is refused at
    validation, before any model loads.
-6. `outlier_heads=auto` keys the file of a random model by its depth (`random-llama3.1-8b:2` and `:4`
+6. `heads_file=clustering` keys the file of a random model by its depth (`random-llama3.1-8b:2` and `:4`
    never share one).
 7. The head file a run reads, with its content hash, is in the job's identity and in every record.
 8. `python -m eval.calibrate`: one line and exit 2 for an unwritable folder, a budget below the
@@ -34,7 +34,7 @@ from centroidkv import CompressedCache, get_method
 from centroidkv.calibrate import (
     CalibrationMissing,
     head_file_for,
-    outlier_heads_for,
+    listed_heads_for,
     packaged_head_file,
     read_head_file,
     user_head_file,
@@ -96,7 +96,7 @@ def test_model_shapes_are_known_without_loading_weights():
 def test_a_head_file_of_another_shape_is_refused_at_validation(tmp_path, monkeypatch):
     monkeypatch.setattr(centroidkv.models, "load_model", no_model)
     path = write(tmp_path / "heads.json", head_data("tiny-llama", 3, 2))  # tiny-llama is 2 x 2
-    params = [f"method.params.outlier_heads={path}", "method.params.outlier_fraction=0.25"]
+    params = [f"method.params.heads_file={path}", "method.params.heads_fraction=0.25"]
     lines = config_errors(tmp_path, ["method=centroidkv", *params])
     assert len(lines) == 1 and "calibrated on 'tiny-llama' (3 x 2" in lines[0] and "(2 x 2)" in lines[0]
     write(path, head_data("tiny-llama", 2, 2))  # the right shape validates
@@ -129,11 +129,11 @@ def test_an_auto_file_of_another_shape_is_refused_at_validation(tmp_path, cache)
 )
 def test_a_head_file_with_values_of_the_wrong_type_is_one_line(tmp_path, changes, fragment):
     path = write(tmp_path / "heads.json", {**head_data("tiny-llama", 2, 2), **changes})
-    with pytest.raises(ValueError, match="outlier_heads file") as error:
+    with pytest.raises(ValueError, match="heads_file") as error:
         read_head_file(path)
     assert fragment in str(error.value) and "\n" not in str(error.value)
     with pytest.raises(ValueError, match=fragment):  # and so is the method that names it
-        get_method("centroidkv", outlier_heads=str(path))
+        get_method("centroidkv", heads_file=str(path))
 
 
 # --------------------------------------------------------------------------- 6: random models by depth
@@ -145,24 +145,24 @@ def test_auto_keys_a_random_model_s_file_by_its_depth(cache, monkeypatch):
     path = write(user_head_file(two.centroidkv_name), head_data("random-llama3.1-8b:2", 2, 8))
     assert path.name == "random-llama3.1-8b-2layers.json"
     assert head_file_for("random-llama3.1-8b:2") == path and head_file_for(four.centroidkv_name) is None
-    assert outlier_heads_for(two, "auto", 0.25) == {1: [4, 5, 6, 7]}  # the 4 worst of 16
+    assert listed_heads_for(two, "clustering", 0.25) == {1: [4, 5, 6, 7]}  # the 4 worst of 16
     assert user_head_file("random-llama3.1-8b:32") == user_head_file("random-llama3.1-8b")  # one model
     # :4 has no file of its own: refused with one line, never read the 2-layer file.
     with pytest.raises(CalibrationMissing, match="random-llama3.1-8b-4layers.json"):
-        outlier_heads_for(four, "auto", 0.25)
+        listed_heads_for(four, "clustering", 0.25)
 
 
 # --------------------------------------------------------------------------- 7: identity and records
 def test_a_user_calibration_changes_the_job_identity(tmp_path, cache):
     overrides = ["model.name=smollm2-135m", "method=centroidkv"]
-    shipped = run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.outlier_heads_file"]
+    shipped = run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.heads_file_read"]
     assert shipped.startswith("centroidkv/data/outlier_heads_smollm2-135m.json sha256:")
     data = read_head_file(packaged_head_file("smollm2-135m"))
     write(user_head_file("smollm2-135m"), {**data, "errors": [[0.5] * 3] * 30})  # e.g. --fraction 0
-    user = run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.outlier_heads_file"]
+    user = run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.heads_file_read"]
     assert user.startswith("<cache>/outlier_heads/smollm2-135m.json sha256:") and user != shipped
     write(user_head_file("smollm2-135m"), {**data, "errors": [[0.25] * 3] * 30})
-    assert run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.outlier_heads_file"] != user
+    assert run_cfg(tmp_path, overrides)[0].identity()["methods.centroidkv.heads_file_read"] != user
     assert get_method("snapkv").identity_fields("smollm2-135m") == {}  # nothing by default
 
 
@@ -173,22 +173,22 @@ def test_every_record_names_the_head_file_of_the_job_identity(tmp_path):
     path = write(tmp_path / "heads.json", head_data("tiny-llama", 2, 2))
     overrides = [
         "method=centroidkv",
-        f"method.params.outlier_heads={path}",
-        "method.params.outlier_fraction=0.25",
+        f"method.params.heads_file={path}",
+        "method.params.heads_fraction=0.25",
     ]
     cfg = build_run_config(composed([*TINY, f"results_dir={tmp_path}", "benchmark.n_samples=1", *overrides]))
     run_job(cfg, config_yaml_of(cfg, None))
-    named = cfg.identity()["methods.centroidkv.outlier_heads_file"]
+    named = cfg.identity()["methods.centroidkv.heads_file_read"]
     assert named.startswith(f"{path} sha256:")
     records, _ = read_records(cfg.job_dir / "records.jsonl")
-    assert records and all(r["outlier_heads_file"] == named for r in records)
+    assert records and all(r["heads_file_read"] == named for r in records)
     saved = (cfg.job_dir / "config.yaml").read_text()
-    assert "methods.centroidkv.outlier_heads_file" in saved
+    assert "methods.centroidkv.heads_file_read" in saved
 
 
 def test_the_readme_documents_the_cache_directory():
     readme = (ROOT / "README.md").read_text()
-    assert "CENTROIDKV_CACHE" in readme and "outlier_heads_file" in readme
+    assert "CENTROIDKV_CACHE" in readme and "heads_file_read" in readme
 
 
 # --------------------------------------------------------------------------- 8: the command line
@@ -267,18 +267,18 @@ def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(tmp_pa
     cache.mkdir()
     (cache / "smollm2-135m").symlink_to(converted, target_is_directory=True)
     monkeypatch.setenv("CENTROIDKV_CACHE", str(cache))
-    monkeypatch.setattr(calibrate, "calibrate", lambda model, name: head_data(name, 2, 2))
-    overrides = ["method=centroidkv", "method.params.outlier_fraction=0.25", "budget_unit=entries"]
+    monkeypatch.setattr(calibrate, "calibrate", lambda model, name, score: head_data(name, 2, 2))
+    overrides = ["method=centroidkv", "method.params.heads_fraction=0.25", "budget_unit=entries"]
     cfg = build_run_config(composed([*TINY, f"results_dir={tmp_path}", "benchmark.n_samples=1", *overrides]))
-    assert cfg.identity()["methods.centroidkv.outlier_heads_file"].endswith(
+    assert cfg.identity()["methods.centroidkv.heads_file_read"].endswith(
         "tiny-llama.json (not calibrated yet)"
     )
     run_job(cfg, config_yaml_of(cfg, None))
-    assert "no outlier-head calibration for 'tiny-llama' yet; calibrating" in capsys.readouterr().err
-    named = cfg.identity()["methods.centroidkv.outlier_heads_file"]
+    assert "no clustering head calibration for 'tiny-llama' yet; calibrating" in capsys.readouterr().err
+    named = cfg.identity()["methods.centroidkv.heads_file_read"]
     assert named.startswith("<cache>/outlier_heads/tiny-llama.json sha256:")
     records, _ = read_records(cfg.job_dir / "records.jsonl")
-    assert records and all(r["outlier_heads_file"] == named for r in records)
+    assert records and all(r["heads_file_read"] == named for r in records)
     (cfg.job_dir / "done.json").unlink()  # as if killed: the rerun resumes, its identity matches
     assert run_job(cfg, config_yaml_of(cfg, None)) is not None
 
@@ -297,7 +297,7 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
     monkeypatch.setattr(centroidkv.calibrate, "head_errors", forbidden)
     monkeypatch.setattr(centroidkv.models, "load_tokenizer", forbidden)
     model, _ = load_model("tiny-llama")
-    method = get_method("centroidkv", chunk_size=32, outlier_fraction=0.25)  # 1 head of 2 x 2
+    method = get_method("centroidkv", chunk_size=32, heads_fraction=0.25)  # 1 head of 2 x 2
     ids = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(0))
 
     def compressed() -> CompressedCache:
@@ -309,7 +309,9 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
     with pytest.raises(CalibrationMissing) as missing:
         compressed()
     message = str(missing.value)
-    assert "\n" not in message and "`python -m eval.calibrate --model tiny-llama`" in message
+    assert (
+        "\n" not in message and "`python -m eval.calibrate --model tiny-llama --score clustering`" in message
+    )
     write(user_head_file("tiny-llama"), head_data("tiny-llama", 2, 2))  # the last head is the worst
     cache = compressed()
     assert cache.layers[0].whole_heads is None and cache.layers[1].whole_heads.tolist() == [1]

@@ -175,6 +175,7 @@ def test_cache_refuses_unprepared_model(tiny_model):
 class _FakeLayer:
     tracks_attention = False
     whole_heads = None
+    compressed_heads = None
 
     def __init__(self, log_degree):
         self.log_degree = log_degree

@@ -55,7 +55,7 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
     path = head_file(tmp_path, tiny_model, ones)
     ids = prompt(300)
     full_tokens, full_logits = greedy(tiny_model, CompressedCache("full", 1.0, 40), ids, 40)
-    method = get_method("centroidkv", chunk_size=32, outlier_heads=path, outlier_fraction=1.0)
+    method = get_method("centroidkv", chunk_size=32, heads_file=path, heads_fraction=1.0)
     cache = CompressedCache(method, 0.3, 40, budget_unit="entries")  # in bytes, whole heads exceed R
     tokens, logits = greedy(tiny_model, cache, ids, 40)
     assert torch.equal(tokens, full_tokens)
@@ -67,15 +67,15 @@ def test_every_head_an_outlier_gives_the_full_cache_tokens(tiny_model, tmp_path)
 
 
 def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_path):
-    """outlier_heads="none" = Chunked Soft Matching on every head, as before the option (with the
+    """heads="none" = Chunked Soft Matching on every head, as before the option (with the
     parameters of that time: post-RoPE, constant r = 0.5)."""
     recorder = CompressedCache("full", 1.0, 0, budget_unit="entries")
     tiny_model(prompt(300), past_key_values=recorder)
     zero = head_file(tmp_path, tiny_model, [[1.0, 2.0]] * 2)
     before = dict(chunk_size=32, similarity="post_rope", schedule="linear", r_init=0.5, delta_r=0.0)
     for method in (
-        get_method("centroidkv", outlier_heads="none", **before),
-        get_method("centroidkv", outlier_heads=zero, outlier_fraction=0.0, **before),
+        get_method("centroidkv", heads="none", **before),
+        get_method("centroidkv", heads_file=zero, heads_fraction=0.0, **before),
     ):
         cache = recorder.fork(method, 0.4)
         for source, layer in zip(recorder.layers, cache.layers, strict=True):
@@ -94,7 +94,7 @@ def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_mode
     )
     tiny_model(prompt(300), past_key_values=recorder)
     method = get_method(
-        "centroidkv", chunk_size=32, outlier_heads=path, outlier_fraction=0.5, similarity="pre_rope"
+        "centroidkv", chunk_size=32, heads_file=path, heads_fraction=0.5, similarity="pre_rope"
     )
     cache = recorder.fork(method, 0.4)
     assert cache.head_lengths() == [[120, 300], [300, 120]]
@@ -115,6 +115,7 @@ def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_mode
 
 class _SplitLayer:
     tracks_attention = False
+    favoured = None
 
     def __init__(self, keys, values, log_degree, whole):
         n_heads = keys.shape[1]
@@ -196,8 +197,8 @@ def test_auto_on_a_model_too_small_for_one_outlier_head_neither_reads_nor_calibr
     import centroidkv.calibrate as calibrate
 
     monkeypatch.setattr(calibrate, "read_head_file", lambda *a, **k: pytest.fail("read a head file"))
-    method = get_method("centroidkv", outlier_heads="auto")  # 4 % of 2 x 2 heads rounds to none
-    assert method.kept_whole(tiny_model) == {}
+    method = get_method("centroidkv", heads="whole")  # 4 % of 2 x 2 heads rounds to none
+    assert method.listed_heads(tiny_model) == {}
 
 
 def test_worst_heads_and_calibration_on_a_tiny_model(tiny_model):
@@ -212,9 +213,9 @@ def test_worst_heads_and_calibration_on_a_tiny_model(tiny_model):
     [
         ({"similarity": "cosine"}, "similarity must be one of"),
         ({"schedule": "cosine"}, "schedule must be one of"),
-        ({"outlier_fraction": 1.5}, "outlier_fraction"),
-        ({"outlier_fraction": -0.1}, "outlier_fraction"),
-        ({"outlier_heads": "/nonexistent/heads.json"}, "does not exist"),
+        ({"heads_fraction": 1.5}, "heads_fraction"),
+        ({"heads_fraction": -0.1}, "heads_fraction"),
+        ({"heads_file": "/nonexistent/heads.json"}, "does not exist"),
     ],
 )
 def test_bad_options_fail_with_one_clear_line(params, message):
@@ -225,7 +226,7 @@ def test_bad_options_fail_with_one_clear_line(params, message):
 
 def test_a_head_file_of_another_model_is_refused(tiny_model, tmp_path):
     path = head_file(tmp_path, tiny_model, [[1.0, 0.0]] * 2, name="smollm2-135m")
-    method = get_method("centroidkv", outlier_heads=path, outlier_fraction=0.5)
+    method = get_method("centroidkv", heads_file=path, heads_fraction=0.5)
     with pytest.raises(ValueError, match="calibrated on 'smollm2-135m'"):
         method.check_model("tiny-llama")  # what the runner's validation calls before loading a model
     with pytest.raises(ValueError, match="not 'tiny-"):
@@ -233,7 +234,7 @@ def test_a_head_file_of_another_model_is_refused(tiny_model, tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        get_method("centroidkv", outlier_heads=str(broken))
+        get_method("centroidkv", heads_file=str(broken))
 
 
 def test_the_shipped_calibration_matches_the_embedded_model():
@@ -257,7 +258,7 @@ def test_settings_other_than_the_calibrated_ones_warn_once_in_one_line(tiny_mode
     path.write_text(json.dumps(data))
 
     def run(**params) -> str:
-        method = get_method("centroidkv", outlier_heads=str(path), outlier_fraction=0.5, **params)
+        method = get_method("centroidkv", heads_file=str(path), heads_fraction=0.5, **params)
         tiny_model(prompt(300), past_key_values=CompressedCache(method, 0.6, 0, budget_unit="entries"))
         return capsys.readouterr().err
 

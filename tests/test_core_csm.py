@@ -261,7 +261,7 @@ def test_embedded_model_greedy_tokens_equal_the_reference_merging(embedded, monk
     model, tokenizer = embedded
     ids = tokenizer(essay_text(900), return_tensors="pt").input_ids[:, :1000]
     assert ids.shape[1] == 1000
-    method = get_method("centroidkv", outlier_heads="none")
+    method = get_method("centroidkv", heads="none")
     prefilled = prefill(model, ids, max_new_tokens=24, needs=method.needs())
     pooled_cache = prefilled.cache.fork(method, 0.25, 24)
     pooled = generate_from(model, prefilled, method, 0.25, 24)

@@ -19,7 +19,7 @@ def prompt(length=PROMPT_LEN, seed=0):
 
 
 def outlier_file(tmp_path, model) -> str:
-    """Layer 0 keeps KV head 1 whole, layer 1 head 0 (with outlier_fraction 0.5)."""
+    """Layer 0 keeps KV head 1 whole, layer 1 head 0 (with heads_fraction 0.5)."""
     config = model.config
     path = tmp_path / "heads.json"
     data = {
@@ -39,7 +39,7 @@ def build(name: str, model, tmp_path):
     small = {"n_sink": 4, "n_recent": 16, "compress_interval": 8}
     if name == "centroidkv":  # every part of the layout: whole heads, degrees, position records
         return get_method(
-            name, chunk_size=32, outlier_heads=outlier_file(tmp_path, model), outlier_fraction=0.5, **small
+            name, chunk_size=32, heads_file=outlier_file(tmp_path, model), heads_fraction=0.5, **small
         )
     if name == "full":
         return get_method(name)

@@ -90,7 +90,7 @@ def test_llama8b_two_layers_bf16_prefill_compress_decode():
     ids = torch.randint(0, 128256, (1, 2048), generator=torch.Generator().manual_seed(0))
     # no outlier heads: "auto" would calibrate this random model on first use (minutes on a CPU)
     cache = CompressedCache(
-        get_method("centroidkv", outlier_heads="none"), budget=0.25, max_new_tokens=4, budget_unit="entries"
+        get_method("centroidkv", heads="none"), budget=0.25, max_new_tokens=4, budget_unit="entries"
     )
     with torch.inference_mode():
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits

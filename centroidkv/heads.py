@@ -1,0 +1,77 @@
+"""Head policies: which (layer, KV head) pairs a method treats apart, and how.
+
+Every compression method takes a head policy (the `heads*` parameters of `centroidkv.methods.Method`):
+
+  none:   every KV head is compressed by the method to the layer's budget B.
+  whole:  the listed heads keep every entry and are never compressed (DuoAttention's retrieval heads,
+          CentroidKV's outlier heads); the other heads are compressed to B.
+  budget: every head is compressed by the method; the listed heads get `heads_boost` times the
+          entries of the others (at most the full length), a two-tier version of AdaKV's per-head
+          budgets: the listed heads get more, not everything.
+
+Whatever a policy keeps counts inside the budget: in bytes, B is solved with the listed heads' entries
+included (`CompressedCache`), so a policy changes where the bytes go, never how many there are.
+
+The listed heads are the worst `heads_fraction` of all (layer, KV head) pairs by a calibrated score,
+read from a head file (`centroidkv.calibrate`). `heads_file` names the score, or a file:
+
+  streaming:  the relative error of each head's attention output when it keeps only sinks and a recent
+              window (StreamingLLM at the calibration budget): DuoAttention's criterion, independent of
+              the method the heads are then used with;
+  clustering: the same error when the head is clustered by CentroidKV's defaults (the paper's outlier
+              heads; it favours CentroidKV, whose damage it measures);
+  a path:     a JSON file written by `python -m eval.calibrate`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from centroidkv.calibrate import HEAD_SCORES
+
+HEAD_POLICIES = ("none", "whole", "budget")
+
+
+def check_head_policy(name: str, policy: str, head_file: str | Path, fraction: float, boost: float) -> None:
+    """One ValueError line for a policy, score or file name, fraction or boost that cannot run."""
+    if policy not in HEAD_POLICIES:
+        raise ValueError(f"{name}: heads must be one of {', '.join(HEAD_POLICIES)}, got {policy!r}")
+    if not isinstance(head_file, (str, Path)):
+        raise ValueError(
+            f"{name}: heads_file must be {' or '.join(HEAD_SCORES)} or a path, got {head_file!r}"
+        )
+    ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction <= 1
+    if not ok:
+        raise ValueError(f"{name}: heads_fraction must be a number in [0, 1], got {fraction!r}")
+    ok = isinstance(boost, (int, float)) and not isinstance(boost, bool) and 1 < boost < math.inf
+    if not ok:
+        raise ValueError(f"{name}: heads_boost must be a number > 1, got {boost!r}")
+    if policy != "none" and str(head_file) not in HEAD_SCORES:
+        from centroidkv.calibrate import read_head_file
+
+        read_head_file(head_file)  # a missing or malformed file fails here, with one line
+
+
+def favoured_len(budget_len: int, boost: float, full_len: int) -> int:
+    """Entries per listed head under the `budget` policy: boost x B, at most the full length."""
+    return min(full_len, max(budget_len, math.ceil(boost * budget_len)))
+
+
+def compressed_fraction(ratio: float, listed_fraction: float, boost: float = math.inf) -> float:
+    """The share of its full length each other head keeps when a fraction `listed_fraction` of all KV
+    heads is listed and keeps `boost` times as much (inf: everything, the `whole` policy), for a total
+    of `ratio` of a full cache. An estimate that ignores per-entry records (used to check
+    configurations before a model loads). Raises ValueError when the listed heads alone take the budget.
+    """
+    if listed_fraction == 0:
+        return ratio
+    if math.isfinite(boost) and boost * ratio / (1 - listed_fraction + boost * listed_fraction) <= 1:
+        return ratio / (1 - listed_fraction + boost * listed_fraction)
+    if listed_fraction >= ratio:
+        raise ValueError(
+            f"its heads kept whole alone take {listed_fraction:.1%} of a full cache's bytes, not less than "
+            f"the budget {ratio:g}; raise the budget, keep fewer heads whole (heads_fraction), use "
+            "heads=budget or budget_unit=entries"
+        )
+    return (ratio - listed_fraction) / (1 - listed_fraction)

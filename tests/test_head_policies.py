@@ -1,0 +1,132 @@
+"""Head policies for every native method (`centroidkv.heads`): heads=whole and heads=budget through a
+prefill, re-compressions and batched forks, at the budget's bytes; DuoAttention's streaming heads."""
+
+import json
+
+import pytest
+import torch
+
+from centroidkv import get_method
+from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
+from centroidkv.methods import method_class, method_names
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT_LEN, NEW_TOKENS = 300, 40
+# PyramidKV at 0.5 on a 2-layer model gives layer 0 more than the prompt and stores less than R with
+# or without a head policy (its known under-spend, docs/results.md): it is checked at 0.35.
+BUDGETS = {"pyramidkv": 0.35}
+SMALL = {"n_sink": 4, "n_recent": 16, "compress_interval": 8}
+NATIVE = [
+    name
+    for name in method_names()
+    if method_class(name).compresses and not method_class(name).compresses_in_prefill
+]
+
+
+def head_file(tmp_path, model, worst=(0, 1)) -> str:
+    """A head file whose single worst (layer, KV head) pair is `worst` (listed with heads_fraction 0.25)."""
+    config = model.config
+    errors = [[0.0] * config.num_key_value_heads for _ in range(config.num_hidden_layers)]
+    errors[worst[0]][worst[1]] = 1.0
+    data = {
+        "model": model.centroidkv_name,
+        "budget": 0.25,
+        "fraction": 0.25,
+        "n_layers": config.num_hidden_layers,
+        "n_kv_heads": config.num_key_value_heads,
+        "errors": errors,
+        "outliers": [list(worst)],
+    }
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def build(name: str, policy: str, path: str):
+    params = dict(SMALL, heads=policy, heads_file=path, heads_fraction=0.25, heads_boost=2.0)
+    if name in ("snapkv", "pyramidkv"):
+        params["window_size"] = 8
+    if name == "centroidkv":
+        params["chunk_size"] = 32
+    return get_method(name, **params)
+
+
+def prompt(length=PROMPT_LEN, seed=0):
+    return torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy", ["whole", "budget"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_every_native_method_runs_each_policy_at_the_budget_s_bytes(tiny_model, tmp_path, name, policy):
+    if name == "duo_attention" and policy != "whole":
+        pytest.skip("DuoAttention is StreamingLLM with heads=whole by definition")
+    method = build(name, policy, head_file(tmp_path, tiny_model))
+    budget = BUDGETS.get(name, 0.5)
+    plain = build(name, "none", head_file(tmp_path, tiny_model)) if name != "duo_attention" else None
+    runs = [method] + ([plain] if plain else [])
+    with torch.inference_mode():
+        prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=needs_of(runs))
+        forks = [start_fork(tiny_model, prefilled, run, budget, NEW_TOKENS) for run in runs]
+        cache = forks[0].cache
+        assert abs(forks[0].budget_ratio - budget) / budget < 0.01  # R of the reference, in bytes
+        layer = cache.layers[0]
+        listed = layer.whole_heads if policy == "whole" else layer.favoured_heads
+        assert listed.tolist() == [1] and layer.compressed_heads.tolist() == [0]
+        if policy == "budget":  # the favoured head is compressed too, to more entries than the other
+            assert layer.length < layer.favoured.length < PROMPT_LEN
+        else:
+            assert torch.equal(layer.whole_keys, prefilled.cache.layers[0].keys[:, [1]])
+            assert torch.equal(layer.whole_values, prefilled.cache.layers[0].values[:, [1]])
+        decode_forks(tiny_model, forks, NEW_TOKENS, eos_token_ids=set())  # batched when two forks
+    assert layer.n_compressions > 1  # re-compressed while decoding
+    seen = PROMPT_LEN + NEW_TOKENS - 1
+    assert layer.n_seen == seen
+    if policy == "whole":  # every token seen, never compressed
+        assert layer.whole_keys.shape[2] == seen
+    else:
+        assert layer.favoured.length <= layer.favoured.budget_len + method.compress_interval - 1
+        assert layer.favoured.n_compressions >= 1
+    # every stored tensor is counted, and what decoding adds stays within the g-token slack per head
+    heads = len(layer.head_lengths())
+    slack = cache.n_layers * heads * method.compress_interval * 2 * layer.keys.shape[-1] * 4 * 2
+    assert cache.kv_bytes() <= budget * cache.reference_bytes() + slack
+    if policy == "whole" and plain is not None:  # the plain run shares the prefill and is unaffected
+        assert forks[1].cache.layers[0].compressed_heads is None
+
+
+def test_duo_attention_keeps_sinks_and_recent_on_streaming_heads(tiny_model, tmp_path):
+    method = get_method(
+        "duo_attention", heads_file=head_file(tmp_path, tiny_model), heads_fraction=0.25, **SMALL
+    )
+    with torch.inference_mode():
+        prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=method.needs())
+        cache = start_fork(tiny_model, prefilled, method, 0.5, NEW_TOKENS).cache
+    for index, layer in enumerate(cache.layers):
+        full = prefilled.cache.layers[index]
+        budget = layer.length
+        if layer.compressed_heads is None:  # no head listed here: every head streams
+            streaming = list(range(full.keys.shape[1]))
+        else:
+            streaming = layer.compressed_heads.tolist()
+            whole = layer.whole_heads.tolist()
+            assert torch.equal(layer.whole_keys, full.keys[:, whole])  # the retrieval head, whole
+        kept = torch.cat(
+            [torch.arange(SMALL["n_sink"]), torch.arange(PROMPT_LEN - (budget - SMALL["n_sink"]), PROMPT_LEN)]
+        )
+        assert budget < PROMPT_LEN
+        assert torch.equal(layer.keys, full.keys[:, streaming][:, :, kept])
+    assert cache.layers[0].whole_heads.tolist() == [1]
+
+
+def test_a_head_policy_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="heads must be one of"):
+        get_method("snapkv", heads="some")
+    with pytest.raises(ValueError, match="needs a method that compresses"):
+        get_method("full", heads="whole")
+    with pytest.raises(ValueError, match="heads_boost must be a number > 1"):
+        get_method("h2o", heads="budget", heads_boost=1.0)
+    with pytest.raises(ValueError, match="duo_attention: heads must be whole"):
+        get_method("duo_attention", heads="budget")
+    with pytest.raises(ValueError, match="does not exist"):
+        get_method("streaming_llm", heads="whole", heads_file="/nonexistent/heads.json")
