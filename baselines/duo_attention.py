@@ -8,8 +8,8 @@ a StreamingLLM cache.
 
 Here: StreamingLLM (`baselines.streaming_llm`) with the head policy `heads=whole`, so the retrieval
 heads are the KV heads this harness lists by its offline calibration (`heads_file="streaming"`: the
-relative error of each head's attention output with only sinks and a recent window, on the dev
-essays; `python -m eval.calibrate --score streaming`). How it differs:
+relative error of each head's attention output with only sinks and a recent window, on dev needle
+prompts; `python -m eval.calibrate --score streaming`). How it differs:
 - the paper learns a gate per head by optimisation on synthetic passkey data and thresholds it;
   we rank heads by the output error of a streaming cache and list the worst `heads_fraction`;
 - the paper's heads are query heads (merged per KV head under GQA by its deployment code); ours are
@@ -40,6 +40,7 @@ class DuoAttention(StreamingLLM):
     label = "DuoAttention"
 
     heads: str = "whole"
+    heads_file: str = "streaming"
 
     def validate(self) -> None:
         super().validate()

@@ -6,8 +6,12 @@ cache, shrink it to a budget, and compare each KV head's attention output for th
 query heads, the degree-aware attention, causal) against the full cache's: relative L2 error
 ||o_compressed - o_full|| / ||o_full||, averaged over the windows. The last queries are what the next
 tokens see, the heads' output (not their keys) is what the model consumes, and relative error compares
-heads of different output scale. Two ways to shrink give the two scores (`HEAD_SCORES`):
+heads of different output scale. Two ways to shrink give two scores (`HEAD_SCORES`), a third reads
+the attention itself:
 
+  needle:     the attention mass the last queries (the question) put on the answer's tokens in the
+              context, per head, on prompts with needles (the retrieval heads of Wu et al., "Retrieval
+              Head Mechanistically Explains Long-Context Factuality", 2024); independent of any method;
   streaming:  keep the first STREAMING_SINKS tokens and a recent window (DuoAttention's criterion: the
               heads that need more than a streaming window; independent of any compression method);
   clustering: Chunked Soft Matching with CentroidKV's defaults (the paper's outlier heads, ~4 % of the
@@ -45,10 +49,10 @@ if TYPE_CHECKING:
 
 PACKAGED_DIR = Path(__file__).parent / "data"
 FIELDS = ("model", "budget", "fraction", "n_layers", "n_kv_heads", "errors", "outliers")
-HEAD_SCORES = ("streaming", "clustering")
+HEAD_SCORES = ("needle", "streaming", "clustering")
 STREAMING_SINKS = 4  # the streaming score's sinks (StreamingLLM's paper)
 # The file-name suffix of each score's file: the clustering score keeps the name it always had.
-SCORE_SUFFIX = {"clustering": "", "streaming": ".streaming"}
+SCORE_SUFFIX = {"clustering": "", "streaming": ".streaming", "needle": ".needle"}
 
 
 def head_file_key(model_name: str) -> str:
@@ -275,7 +279,8 @@ def head_errors(
     way of shrinking the cache to `budget` (see the module)."""
     import torch
 
-    check_score(score)
+    if score not in ("streaming", "clustering"):
+        raise ValueError(f"head_errors measures the streaming or clustering score, not {score!r}")
     with torch.inference_mode():
         return _head_errors(model, prompts, budget, score, n_queries)
 
@@ -335,10 +340,43 @@ def _head_errors(model, prompts: list[Tensor], budget: float, score: str, n_quer
 
 
 MEASURES = {
+    "needle": "attention mass of the last 32 queries on the answer's tokens in the context (retrieval heads)",
     "clustering": "relative L2 error of each KV head's attention output, clustered (CentroidKV) vs full cache",
     "streaming": f"relative L2 error of each KV head's attention output, {STREAMING_SINKS} sinks + a recent "
     "window vs full cache (DuoAttention's criterion)",
 }
+
+
+def needle_mass(model, prompts: list[Tensor], needles: list[Tensor], n_queries: int = 32) -> Tensor:
+    """[n_layers, n_kv_heads] attention mass of the last `n_queries` queries on the positions
+    `needles[i]` (1-D, the answer's tokens in the context) of `prompts[i]` ([1, T]): averaged over the
+    queries, the query heads of each KV head and the prompts."""
+    import torch
+    from tqdm import tqdm
+
+    from centroidkv import CompressedCache
+    from centroidkv.cache import causal_allowed
+    from centroidkv.needs import query_window
+
+    total = None
+    with torch.inference_mode():
+        for ids, positions in tqdm(
+            list(zip(prompts, needles, strict=True)), desc="calibrating heads (needle score)", unit="prompt"
+        ):
+            full = CompressedCache("full", 1.0, 0, needs=query_window(n_queries))
+            model(ids, past_key_values=full, logits_to_keep=1)
+            rows = []
+            for layer in full.layers:
+                queries, keys = layer.queries.float(), layer.keys.float()
+                group = queries.shape[1] // keys.shape[1]
+                logits = queries @ keys.repeat_interleave(group, 1).transpose(-1, -2) * layer.scaling
+                allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
+                probabilities = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+                mass = probabilities[..., positions.to(keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
+                rows.append(mass.unflatten(0, (keys.shape[1], group)).mean(dim=1))
+            scores = torch.stack(rows)
+            total = scores if total is None else total + scores
+    return total / len(prompts)
 
 
 def calibrate_heads(
@@ -349,16 +387,24 @@ def calibrate_heads(
     fraction: float = 0.04,
     text: str = "",
     score: str = "clustering",
+    needles: list[Tensor] | None = None,
 ) -> dict:
-    """Measure every head's error by `score` on the token windows `prompts` ([1, T] each, on any
-    device) and return the head file's content; `text` says in words what the windows are."""
+    """Measure every head's score on the token windows `prompts` ([1, T] each, on any device) and
+    return the head file's content; `text` says in words what the windows are. The needle score needs
+    `needles`, the answer's token positions in each prompt."""
     device = next(model.parameters()).device
-    errors = head_errors(model, [ids.to(device) for ids in prompts], budget, score)
+    check_score(score)
+    if score == "needle":
+        if needles is None:
+            raise ValueError("the needle score needs the answer's positions in each prompt (needles=...)")
+        errors = needle_mass(model, [ids.to(device) for ids in prompts], needles)
+    else:
+        errors = head_errors(model, [ids.to(device) for ids in prompts], budget, score)
     data = {
         "model": name,
         "score": score,
         "budget": budget,
-        "budget_unit": DEFAULT_BUDGET_UNIT if score == "clustering" else "entries",
+        "budget_unit": {"clustering": DEFAULT_BUDGET_UNIT, "streaming": "entries"}.get(score),
         "fraction": fraction,
         "n_layers": errors.shape[0],
         "n_kv_heads": errors.shape[1],

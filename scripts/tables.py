@@ -233,6 +233,38 @@ def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None
     return table
 
 
+RESOLVED = 0.9  # a lead with P below this is "level": bold, rank tiers and words follow it
+
+
+def bootstrap(df: pd.DataFrame, budget: float, draws: int = 2000, seed: int = 0):
+    """The paired bootstrap of `ranking_table` at `budget`: (labels, means [methods], per_draw
+    [draws, methods], within_tasks), or None when no sample was finished by every method."""
+    rng = np.random.default_rng(seed)
+    part = df[df["ok"] & ((df["budget"] == budget) | (df["method"] == "full"))]
+    scores = part.pivot_table(index=["task", "sample_id"], columns="label", values="score", aggfunc="mean")
+    scores = scores.dropna()
+    if scores.empty:
+        return None
+    tasks = scores.index.get_level_values("task")
+    within_tasks = tasks.value_counts().min() >= 2
+    groups = (
+        [scores[tasks == task].to_numpy() for task in tasks.unique()] if within_tasks else [scores.to_numpy()]
+    )
+    per_draw = np.zeros((draws, scores.shape[1]))
+    for matrix in groups:  # [samples, methods], resampled by row
+        picks = rng.integers(0, len(matrix), size=(draws, len(matrix)))
+        per_draw += matrix[picks].mean(axis=1)
+    per_draw /= len(groups)
+    means = scores.groupby(level="task").mean().mean(axis=0).to_numpy()
+    return list(scores.columns), means, per_draw, within_tasks, len(scores)
+
+
+def p_above(per_draw: np.ndarray, a: int, b: int) -> float:
+    """The fraction of draws in which column `a` scores above column `b` (ties count half)."""
+    diff = per_draw[:, a] - per_draw[:, b]
+    return float((diff > 0).mean() + 0.5 * (diff == 0).mean())
+
+
 def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, seed: int = 0) -> pd.DataFrame:
     """How stable the ranking by average score is, per budget: a paired bootstrap over samples.
 
@@ -241,56 +273,56 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
     per method: the average, its 95 % interval, and P(> next), the fraction of draws in which it
     scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
     step of the ranking would survive new samples; near 0.5 means the two are not told apart.
-    Only samples every method at that budget finished are used. A task with a single sample has
-    nothing to resample within it (every draw would be equal, claiming a certainty the data do not
-    have), so when some task has fewer than 2 samples the draws resample the samples across tasks
-    instead, and the "bootstrap" column says so.
+    `Rank` is a tier: methods joined by steps with P(> next) < RESOLVED (0.9) share one ("1-2"), so
+    the order inside a tier is not claimed. Only samples every method at that budget finished are
+    used. A task with a single sample has nothing to resample within it (every draw would be equal,
+    claiming a certainty the data do not have), so when some task has fewer than 2 samples the draws
+    resample the samples across tasks instead, and the "bootstrap" column says so.
     """
-    rng = np.random.default_rng(seed)
     rows = []
     for budget in budgets:
-        part = df[df["ok"] & ((df["budget"] == budget) | (df["method"] == "full"))]
-        scores = part.pivot_table(
-            index=["task", "sample_id"], columns="label", values="score", aggfunc="mean"
-        )
-        scores = scores.dropna()
-        if scores.empty:
+        found = bootstrap(df, budget, draws, seed)
+        if found is None:
             continue
-        tasks = scores.index.get_level_values("task")
-        within_tasks = tasks.value_counts().min() >= 2
-        groups = (
-            [scores[tasks == task].to_numpy() for task in tasks.unique()]
-            if within_tasks
-            else [scores.to_numpy()]
-        )
-        per_draw = np.zeros((draws, scores.shape[1]))
-        for matrix in groups:  # [samples, methods], resampled by row
-            picks = rng.integers(0, len(matrix), size=(draws, len(matrix)))
-            per_draw += matrix[picks].mean(axis=1)
-        per_draw /= len(groups)
-        means = scores.groupby(level="task").mean().mean(axis=0).to_numpy()
+        labels, means, per_draw, within_tasks, n_samples = found
         order = np.argsort(-means, kind="stable")
-        for rank, column in enumerate(order):
-            below = order[rank + 1] if rank + 1 < len(order) else None
-            beats = None
-            if below is not None:
-                diff = per_draw[:, column] - per_draw[:, below]
-                beats = float((diff > 0).mean() + 0.5 * (diff == 0).mean())
+        beats = [p_above(per_draw, a, b) for a, b in zip(order[:-1], order[1:], strict=True)] + [None]
+        tiers, start = [], 0  # [first, last] rank of each position's tier
+        for position in range(len(order)):
+            if beats[position] is None or beats[position] >= RESOLVED:
+                tiers += [(start + 1, position + 1)] * (position + 1 - start)
+                start = position + 1
+        for position, column in enumerate(order):
             low, high = np.percentile(per_draw[:, column], [2.5, 97.5])
+            first, last = tiers[position]
             rows.append(
                 {
                     "Budget": f"{budget:g}",
-                    "Rank": rank + 1,
-                    "Method": scores.columns[column],
+                    "Rank": f"{first}" if first == last else f"{first}-{last}",
+                    "Method": labels[column],
                     "Avg": means[column],
                     "95% CI": f"{low:.1f}-{high:.1f}",
-                    "P(> next)": "-" if beats is None else f"{beats:.2f}",
-                    "samples": len(scores),
+                    "P(> next)": "-" if beats[position] is None else f"{beats[position]:.2f}",
+                    "samples": n_samples,
                     "bootstrap": "within tasks" if within_tasks else "across tasks",
                 }
             )
     table = pd.DataFrame(rows)
     return table.set_index("Budget") if not table.empty else table
+
+
+def top_tier(df: pd.DataFrame, budget: float) -> set[str]:
+    """The compressing methods level with the best of them at `budget` (P(best > m) < RESOLVED): the
+    rows whose average is bolded. Empty when the records cannot be bootstrapped."""
+    found = bootstrap(df, budget)
+    if found is None:
+        return set()
+    labels, means, per_draw, _, _ = found
+    compressing = [i for i, label in enumerate(labels) if not str(label).startswith("Full")]
+    if not compressing:
+        return set()
+    best = max(compressing, key=lambda i: means[i])
+    return {labels[i] for i in compressing if i == best or p_above(per_draw, best, i) < RESOLVED}
 
 
 def speed_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -323,25 +355,24 @@ def _fmt(value, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-def _best(table: pd.DataFrame, column: str) -> float | None:
-    """The best score among compressing methods in a column (bolded), or None."""
-    candidates = table.loc[[i for i in table.index if not str(i).startswith("Full")], column]
-    candidates = pd.to_numeric(candidates, errors="coerce").dropna()
-    return None if candidates.empty else candidates.max()
-
-
 COUNT_COLUMNS = {"n", "failed", "Rank", "samples"}
-# Columns with their own number of digits; they are never bolded (a smaller KV ratio is not "best").
+# Columns with their own number of digits.
 COLUMN_DIGITS = {"KV": 2}
-NOT_BOLDED = COUNT_COLUMNS | set(COLUMN_DIGITS)
 
 
-def _row_cells(table: pd.DataFrame, label, row, best: dict, digits: int, bold: str) -> list[str]:
-    """A row's formatted cells; the best value of a column (never the full cache's) wrapped in `bold`."""
+def bolded(table: pd.DataFrame) -> dict[str, set]:
+    """column -> the row labels bolded in it: the compressing methods level with the best of them by
+    the paired bootstrap (`top_tier`), set by `make_tables` in `table.attrs["bold"]`. Per-task columns
+    and counts are never bolded: a handful of samples per task resolves nothing."""
+    return table.attrs.get("bold", {})
+
+
+def _row_cells(table: pd.DataFrame, label, row, bold_cells: dict, digits: int, bold: str) -> list[str]:
+    """A row's formatted cells; a cell whose row is in its column's top tier wrapped in `bold`."""
     cells = []
     for column in table.columns:
         text = _fmt(row[column], 0 if column in COUNT_COLUMNS else COLUMN_DIGITS.get(column, digits))
-        if best.get(column) is not None and not str(label).startswith("Full") and row[column] == best[column]:
+        if label in bold_cells.get(column, ()):
             text = bold.format(text)
         cells.append(text)
     return cells
@@ -360,7 +391,7 @@ def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) ->
 
     header = [table.index.name or ""] + list(map(str, table.columns))
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
-    best = {c: _best(table, c) for c in table.columns if c not in NOT_BOLDED} if bold_best else {}
+    best = bolded(table) if bold_best else {}
     for label, row in table.iterrows():
         cells = [str(label), *_row_cells(table, label, row, best, digits, "**{}**")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -372,7 +403,7 @@ def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool
     def esc(text: str) -> str:
         return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace(">", r"$>$")
 
-    best = {c: _best(table, c) for c in table.columns if c not in NOT_BOLDED} if bold_best else {}
+    best = bolded(table) if bold_best else {}
     lines = [
         r"\begin{table}[t]",
         r"\centering",
@@ -427,10 +458,13 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
                 f"context {lengths} tokens{split_words(part)}; KV: measured KV ratio"
             )
             table = score_table(part, budget, names)
+            tier = top_tier(part, budget) if budgets else set()
+            table.attrs["bold"] = {"Avg": tier}
             tables[f"{bench}_budget{budget:g}"] = (caption, table, 1)
-            averages[f"{budget:.0%}"] = table["Avg"]
+            averages[f"{budget:.0%}"] = (table["Avg"], tier)
         if report.summary and len(averages) > 1:
-            summary = pd.DataFrame(averages)
+            summary = pd.DataFrame({column: avg for column, (avg, _) in averages.items()})
+            summary.attrs["bold"] = {column: tier for column, (_, tier) in averages.items()}
             summary.index.name = "Method"
             n_tasks = part["task"].nunique()
             caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"

@@ -73,8 +73,11 @@ def test_every_experiment_validates(experiment):
     cfg = build_run_config(composed([f"experiment={experiment}"]), "job")
     assert cfg.experiment == experiment and cfg.methods
     if experiment.startswith("reproduce"):
-        assert {m.name for m in cfg.methods} == {"full", "centroidkv", "streaming_llm", "h2o", "snapkv", "pyramidkv",
+        assert {m.name for m in cfg.methods} >= {"full", "centroidkv", "streaming_llm", "h2o", "snapkv", "pyramidkv",
                                                  "kmeans", "cam"}  # fmt: skip
+    if experiment == "reproduce_ruler_cpu":  # the paper's table: each method as its paper defines it, once
+        assert "duo_attention" in {m.name for m in cfg.methods}
+        assert 0.125 in {m.budget for m in cfg.methods}
 
 
 def test_method_configs_come_from_the_registry():
@@ -384,12 +387,14 @@ def test_tables_from_fixture(tmp_path):
     }
     # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, KV (no measured ratio: -), n, failed.
     assert rows["Full cache"] == ["100.0", "100.0", "100.0", "-", "4", "0"]
-    assert rows["CentroidKV"] == ["**50.0**", "50.0", "**50.0**", "-", "4", "0"]
-    assert rows["SnapKV"] == ["0.0", "**75.0**", "37.5", "-", "4", "0"]
+    # Only Avg is bolded, for every compressing method level with the best (P < 0.9 by the paired
+    # bootstrap): 50.0 vs 37.5 on 4 samples is not resolved, so both are.
+    assert rows["CentroidKV"] == ["50.0", "50.0", "**50.0**", "-", "4", "0"]
+    assert rows["SnapKV"] == ["0.0", "75.0", "**37.5**", "-", "4", "0"]
     md50 = (tmp_path / "ruler_budget0.5.md").read_text()
     assert "| SnapKV | 50.0 | 0.0 | 25.0 | - | 4 | 1 |" in md50  # the failed sample is counted, not averaged
     tex = (tmp_path / "ruler_budget0.5.tex").read_text()
-    assert r"\begin{tabular}" in tex and r"CentroidKV & \textbf{100.0} & \textbf{50.0} & \textbf{75.0}" in tex
+    assert r"\begin{tabular}" in tex and r"CentroidKV & 100.0 & 50.0 & \textbf{75.0}" in tex
 
 
 def test_ranking_table_from_fixture(tmp_path):
@@ -400,8 +405,8 @@ def test_ranking_table_from_fixture(tmp_path):
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if line.startswith("| 0.25")]
     assert [(r[1], r[2], r[3]) for r in rows] == [
         ("1", "Full cache", "100.0"),
-        ("2", "CentroidKV", "50.0"),
-        ("3", "SnapKV", "37.5"),
+        ("2-3", "CentroidKV", "50.0"),  # P 0.72 < 0.9: one tier, the order inside it not claimed
+        ("2-3", "SnapKV", "37.5"),
     ]
     assert rows[0][4] == "100.0-100.0" and rows[0][5] == "1.00"  # CentroidKV can reach 75 at most
     # CentroidKV vs SnapKV, paired draws of 2 samples per task, enumerated by hand: P(>) + P(=)/2 = 0.72
