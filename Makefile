@@ -48,7 +48,7 @@ RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,repr
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
@@ -73,9 +73,26 @@ sweep-r: $(STAMP)
 	$(PYTHON) scripts/tables.py results/sweep_r
 	$(PYTHON) scripts/figures.py results/sweep_r
 
-# CentroidKV's ablation (similarity x outlier heads x schedule x chunk size, a half fraction; one job,
-# one prefill per sample): ranking table, figures. About 40 min on 2 CPU cores.
+# The head-policy factorial on dev samples ({CentroidKV, K-Means, SnapKV, StreamingLLM, H2O} x {no heads,
+# whole heads, head budgets} at 0.25 and 0.125 in bytes; one prefill per sample): ranking, tables, figures.
 ablate: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=ablate_heads model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/tables.py results/ablate_heads
+	$(PYTHON) scripts/head_attribution.py results/ablate_heads
+	$(PYTHON) scripts/figures.py results/ablate_heads
+
+# The same factorial on test samples, at 0.25 and 0.125 (heads) and 0.0625 (heads_low, the variants that fit).
+heads: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=heads model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/run.py experiment=heads_low model=$(MODEL) $(ARGS)
+	$(PYTHON) scripts/tables.py results/heads
+	$(PYTHON) scripts/tables.py results/heads_low
+	$(PYTHON) scripts/head_attribution.py results/heads $(if $(wildcard results/ablate_heads),--choose-on results/ablate_heads)
+	$(PYTHON) scripts/head_attribution.py results/heads_low $(if $(wildcard results/ablate_heads),--choose-on results/ablate_heads)
+	$(PYTHON) scripts/figures.py results/heads
+
+# CentroidKV's own ablation (similarity x outlier heads x schedule x chunk size, a half fraction) on dev.
+ablate-centroidkv: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=ablate_centroidkv model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/ablate_centroidkv
 	$(PYTHON) scripts/figures.py results/ablate_centroidkv

@@ -7,7 +7,7 @@ attention then adds log(degree) to the logits (`centroidkv.attention`). Our deci
 is silent, with the evidence: docs/method.md (decisions) and docs/results.md (measurements).
 
 Parameters (defaults: the paper's where it gives them, ours otherwise; ours are the best configuration
-of the ablation on the embedded model, `make ablate`, docs/results.md "Choosing the defaults"):
+of the ablation on the embedded model, `make ablate-centroidkv`, docs/results.md "Choosing the defaults"):
   chunk_size: c, tokens per chunk; matching stays inside a chunk (paper: 256; even, >= 2).
   schedule: "linear" (the paper's r_j = r_init - j * delta_r, clamped to [r_min, 1]) or "adaptive"
     (each round merges the edges at or above the round's mean similarity; `centroidkv.schedule`).

@@ -130,3 +130,28 @@ def test_a_head_policy_is_refused_where_it_cannot_apply():
         get_method("duo_attention", heads="budget")
     with pytest.raises(ValueError, match="does not exist"):
         get_method("streaming_llm", heads="whole", heads_file="/nonexistent/heads.json")
+
+
+def test_the_needle_score_is_attention_mass_on_the_needle_positions(tiny_model):
+    """All positions take every query's whole attention (mass 1); disjoint sets add up."""
+    from centroidkv.calibrate import needle_mass
+
+    ids = [prompt(120, seed=3)]
+    everything = needle_mass(tiny_model, ids, [torch.arange(120)], n_queries=8)
+    torch.testing.assert_close(everything, torch.ones_like(everything))
+    first, rest = (
+        needle_mass(tiny_model, ids, [torch.arange(40)], 8),
+        needle_mass(tiny_model, ids, [torch.arange(40, 90)], 8),
+    )
+    both = needle_mass(tiny_model, ids, [torch.arange(90)], 8)
+    torch.testing.assert_close(first + rest, both)
+    assert (first > 0).all() and (both < 1).all()
+
+
+def test_the_streaming_score_keeps_the_sinks_and_the_newest_entries():
+    from centroidkv.calibrate import STREAMING_SINKS, streaming_window
+
+    keys = torch.arange(100.0).view(1, 1, 100, 1).expand(1, 2, 100, 3)
+    kept, _ = streaming_window(keys, keys, 0.2)
+    expected = [*range(STREAMING_SINKS), *range(100 - (20 - STREAMING_SINKS), 100)]
+    assert kept[0, 0, :, 0].tolist() == expected and kept[0, 1, :, 0].tolist() == expected

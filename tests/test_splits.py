@@ -264,8 +264,8 @@ def test_cli_split_option(capsys):
 
 @pytest.mark.parametrize(
     "experiment, split",
-    [("ablate_centroidkv", "dev"), ("sweep_r", "dev"), ("reproduce_ruler_cpu", "test"),
-     ("reproduce_ruler", "test"), ("kvpress_zoo", "test")],
+    [("ablate_centroidkv", "dev"), ("ablate_heads", "dev"), ("sweep_r", "dev"), ("reproduce_ruler_cpu", "test"),
+     ("reproduce_ruler", "test"), ("kvpress_zoo", "test"), ("heads", "test"), ("heads_low", "test")],
 )  # fmt: skip
 def test_experiments_choose_on_dev_and_report_on_test(experiment, split):
     config = yaml.safe_load((CONFIGS / f"{experiment}.yaml").read_text())

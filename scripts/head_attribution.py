@@ -1,0 +1,165 @@
+"""What a head policy adds, and what clustering adds, from a head-policy factorial (make ablate / heads).
+
+    python scripts/head_attribution.py results/heads [--choose-on results/ablate_heads] [--out DIR]
+
+Reads the records of a job whose methods run under several head policies (`heads`: none, whole,
+budget; one `heads_file` for all) and writes, per budget, two tables to `<results>/tables/`
+(`heads_attribution.md`):
+
+- **Heads over none**: each method's average under every policy, its best policy, and what that
+  policy adds over none with P(best > none), the paired bootstrap of `scripts/tables.py`.
+- **Clustering over each method**: CentroidKV under its best policy against every other method under
+  its own best policy, the difference and P(CentroidKV > method).
+
+The best policy of a method is chosen on `--choose-on` (the dev factorial) when given, so that the
+test numbers are not the maximum of three noisy ones; otherwise on the records themselves (say so).
+A lead with P below 0.9 is "level" (`scripts.tables.RESOLVED`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from centroidkv.heads import HEAD_POLICIES  # noqa: E402
+from scripts.tables import RESOLVED, bootstrap, load_or_error, p_above, to_markdown, write_text  # noqa: E402
+
+CLUSTERING = "centroidkv"
+
+
+def factorial_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """The records of the factorial, with `method` and `policy` columns: every run whose head policy is
+    one of HEAD_POLICIES and, where it lists heads, reads the head file most runs of the job read."""
+    runs = df[df["method"] != "full"].copy()
+    runs["policy"] = runs["params"].map(lambda p: p.get("heads", "none"))
+    runs["score_file"] = runs["params"].map(lambda p: p.get("heads_file"))
+    listed = runs[runs["policy"] != "none"]
+    if listed.empty:
+        return runs.iloc[0:0]
+    common = listed["score_file"].mode().iloc[0]
+    keep = (runs["policy"] == "none") | (runs["score_file"] == common)
+    runs = runs[keep & runs["policy"].isin(HEAD_POLICIES)]
+    # one variant per (method, policy): the factorial's own
+    counts = runs.groupby(["method", "policy"])["label"].nunique()
+    return runs[runs.set_index(["method", "policy"]).index.map(lambda k: counts[k] == 1)]
+
+
+def best_policies(df: pd.DataFrame, budget: float) -> dict[str, str]:
+    """method -> the policy with the highest average score at `budget` (ties: none, whole, budget)."""
+    cells = factorial_cells(df)
+    cells = cells[cells["ok"] & (cells["budget"] == budget)]
+    means = cells.groupby(["method", "policy"])["score"].mean()
+    best = {}
+    for method in means.index.get_level_values(0).unique():
+        scores = means[method]
+        best[method] = max(
+            HEAD_POLICIES, key=lambda p: (scores.get(p, float("-inf")), -HEAD_POLICIES.index(p))
+        )
+    return best
+
+
+def attribution(df: pd.DataFrame, chooser: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
+    """name -> table for every budget (see the module)."""
+    cells = factorial_cells(df)
+    tables = {}
+    for budget in sorted(cells["budget"].unique()):
+        found = bootstrap(df, budget)
+        if found is None:
+            continue
+        labels, means, per_draw, _, n_samples = found
+        column = {label: i for i, label in enumerate(labels)}
+        at_budget = cells[cells["budget"] == budget]
+        variant = {
+            (m, p): label
+            for m, p, label in zip(at_budget["method"], at_budget["policy"], at_budget["label"], strict=True)
+        }
+        best = best_policies(chooser if chooser is not None else df, budget)
+        rows, versus = [], []
+        methods = list(dict.fromkeys(at_budget["method"]))
+        for method in methods:
+            row = {"Method": method}
+            for policy in HEAD_POLICIES:
+                label = variant.get((method, policy))
+                row[policy] = means[column[label]] if label in column else float("nan")
+            chosen = best.get(method, "none")
+            row["best"] = chosen
+            none, top = variant.get((method, "none")), variant.get((method, chosen))
+            if none in column and top in column and chosen != "none":
+                row["heads add"] = means[column[top]] - means[column[none]]
+                row["P(best > none)"] = f"{p_above(per_draw, column[top], column[none]):.2f}"
+            else:
+                row["heads add"], row["P(best > none)"] = 0.0, "-"
+            rows.append(row)
+        clustering = variant.get((CLUSTERING, best.get(CLUSTERING, "none")))
+        for method in methods:
+            other = variant.get((method, best.get(method, "none")))
+            if method == CLUSTERING or clustering not in column or other not in column:
+                continue
+            p = p_above(per_draw, column[clustering], column[other])
+            versus.append(
+                {
+                    "Method (best policy)": f"{method} ({best.get(method, 'none')})",
+                    "avg": means[column[other]],
+                    f"{CLUSTERING} ({best.get(CLUSTERING, 'none')})": means[column[clustering]],
+                    "clustering adds": means[column[clustering]] - means[column[other]],
+                    "P": f"{p:.2f}",
+                    "resolved": "yes" if max(p, 1 - p) >= RESOLVED else "level",
+                }
+            )
+        policy_table = pd.DataFrame(rows).set_index("Method")
+        policy_table.attrs["bold"] = {}
+        tables[f"{budget:g} heads"] = (policy_table, n_samples)
+        if versus:
+            tables[f"{budget:g} clustering"] = (
+                pd.DataFrame(versus).set_index("Method (best policy)"),
+                n_samples,
+            )
+    return tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="an experiment folder (e.g. results/heads)")
+    parser.add_argument(
+        "--choose-on", type=Path, help="the dev factorial that chooses each method's best policy"
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default: <results>/tables)")
+    args = parser.parse_args(argv)
+    df = load_or_error([args.results])
+    chooser = load_or_error([args.choose_on]) if args.choose_on else None
+    for loaded in (df, chooser):
+        if isinstance(loaded, str):
+            print(loaded, file=sys.stderr)
+            return 2
+    tables = attribution(df, chooser)
+    if not tables:
+        print(f"error: no head-policy factorial in {args.results}", file=sys.stderr)
+        return 2
+    chosen = (
+        f"best policy chosen on {args.choose_on}" if args.choose_on else "best policy chosen on these records"
+    )
+    parts = []
+    for name, (table, n_samples) in tables.items():
+        budget, kind = name.split()
+        caption = (
+            f"What a head policy adds over none at budget {budget} ({n_samples} samples; {chosen})"
+            if kind == "heads"
+            else f"What clustering adds over each method's best head policy at budget {budget} ({n_samples} samples)"
+        )
+        parts.append(f"**{caption}**\n\n{to_markdown(table, 1, bold_best=False)}\n")
+    text = "\n".join(parts)
+    print(text)
+    out = args.out or args.results / "tables"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "heads_attribution.md", text)
+    print(f"[head_attribution] written to {out / 'heads_attribution.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
