@@ -15,12 +15,14 @@ included (`CompressedCache`), so a policy changes where the bytes go, never how 
 The listed heads are the worst `heads_fraction` of all (layer, KV head) pairs by a calibrated score,
 read from a head file (`centroidkv.calibrate`). `heads_file` names the score, or a file:
 
-  needle:     (the default) the attention mass the question puts on the answer's tokens in dev needle
-              prompts: the retrieval heads, a property of the model, independent of any method;
+  clustering: (the default) the relative error of each head's attention output on dev essays when
+              the head is clustered by CentroidKV's defaults (the paper's outlier heads). Measured with
+              one method's compression, but one fixed list applied alike to every method, and on the
+              embedded model the only list of the three that helps any method (docs/results.md);
+  needle:     the attention mass the question puts on the answer's tokens in dev needle prompts: the
+              retrieval heads, a property of the model, independent of any method;
   streaming:  the relative error of each head's attention output, on the same prompts, when it keeps
               only sinks and a recent window: DuoAttention's criterion, also method-independent;
-  clustering: the same error when the head is clustered by CentroidKV's defaults (the paper's outlier
-              heads; it favours CentroidKV, whose damage it measures);
   a path:     a JSON file written by `python -m eval.calibrate`.
 """
 

@@ -66,9 +66,10 @@ class Method:
       compress_interval: g, decoding re-compresses when the cache reaches budget + g.
       heads: the head policy (`centroidkv.heads`): "none", "whole" (the listed KV heads keep every
         entry) or "budget" (the listed heads keep `heads_boost` times the entries of the others).
-      heads_file: which heads are listed: the model's calibration by a score, "needle" (attention on
-        the answer's tokens: retrieval heads), "streaming" (the error of a streaming window:
-        DuoAttention's criterion) or "clustering" (CentroidKV's clustering error), or a file's path.
+      heads_file: which heads are listed: the model's calibration by a score, "clustering" (the
+        output error under CentroidKV's clustering: the paper's outlier heads), "needle" (attention
+        on the answer's tokens: retrieval heads), "streaming" (the output error of a streaming
+        window: DuoAttention's criterion), or a file's path.
       heads_fraction: the worst fraction of all (layer, KV head) pairs that is listed.
       heads_boost: under heads=budget, the listed heads' entries over the others' (> 1).
     Subclasses declare their own parameters as dataclass fields with their paper's defaults and
@@ -89,7 +90,7 @@ class Method:
     n_recent: int = 64
     compress_interval: int = 64
     heads: str = "none"
-    heads_file: str = "needle"
+    heads_file: str = "clustering"
     heads_fraction: float = 0.04
     heads_boost: float = 4.0
 

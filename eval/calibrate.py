@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         default=None,
-        help="the JSON to write (None: <cache dir>/outlier_heads/<model>[.streaming].json, read by heads_file=<score>)",
+        help="the JSON to write (None: <cache dir>/outlier_heads/<model>[.<score>].json, read by heads_file=<score>)",
     )
     args = parser.parse_args(argv)
     from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model

@@ -249,7 +249,7 @@ def test_help_is_light_and_shows_every_default(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for default in ("smollm2-135m", "0.25", "0.04", "2", "4096", "None"):
+    for default in ("smollm2-135m", "0.25", "0.04", "clustering", "4096", "None"):
         assert f"(default: {default})" in text
 
 
