@@ -25,6 +25,7 @@ from centroidkv.budget import (
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
+from eval.records import NAME_MAX
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -421,6 +422,10 @@ def build_run_config(
         errors.append(
             "experiment_name: must be a plain folder name (letters, digits, _ . -; not . or ..), "
             f"got {experiment!r}"
+        )
+    elif len(experiment) > NAME_MAX:  # ASCII by the pattern: one byte per character
+        errors.append(
+            f"experiment_name: {len(experiment)} characters, more than a folder name may have ({NAME_MAX})"
         )
     for key in ("retry_failed", "warmup", "overwrite", "share_prefill"):
         if not isinstance(raw.get(key, False), bool):

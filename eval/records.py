@@ -11,9 +11,14 @@ Safety rules:
 - records are appended one complete JSON line at a time and fsync'd, so a killed job loses at most
   the line being written (a failed write is cut back to the last complete line); on load, torn or
   corrupt lines are dropped and counted, records are de-duplicated by key (the last one wins), and
-  the file is rewritten atomically when anything was cleaned;
+  the file is rewritten atomically when anything was cleaned; a complete line that is not a record
+  (not JSON, a field missing or of the wrong type) is kept aside in `records.jsonl.dropped-<time>`;
+- records of another job (their `model`, `experiment` or `job` differs from the job's: copied in) are
+  never read as the job's own: resuming refuses them, tables skip them;
 - nothing is written through a symbolic link: a job folder, its experiment folder or a file in it that
-  is a link is refused before any work, and files are opened with O_NOFOLLOW;
+  is a link is refused before any work, and files are opened with O_NOFOLLOW; a folder where the
+  runner keeps a file (records.jsonl, .lock, ...) and a name longer than the file system allows are
+  refused before any work too;
 - `done.json` is written last, and only when some record succeeded: a job that has it is finished
   and is skipped on rerun. Every OSError while writing becomes one `ResultsWriteError` line.
 """
@@ -48,6 +53,11 @@ LOCK = ".lock"
 KEY_FIELDS = ("benchmark", "task", "length", "sample_id", "method", "variant", "params", "budget")
 # A JSON line without these is not a record (it is dropped and counted, as a torn line is).
 REQUIRED_FIELDS = ("benchmark", "sample_id", "method", "budget", "status")
+# The files the runner keeps in a job folder: each must be a file when it exists.
+JOB_FILES = (RECORDS, DONE, CONFIG, LOCK, "env.json")
+# The record fields that say which job wrote a record (`JobStore.saved_owner`).
+OWNER_FIELDS = ("model", "experiment", "job")
+NAME_MAX = 255  # bytes in one file or folder name (ext4, xfs, btrfs, APFS)
 
 
 class JobError(RuntimeError):
@@ -76,6 +86,46 @@ class JobMismatch(JobError):
     """The job folder holds records of another configuration."""
 
     exit_code = 2
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# field -> (what it must be, the check); a field that is absent or null is not checked, except the
+# required ones, whose presence `REQUIRED_FIELDS` demands.
+FIELD_TYPES: dict[str, tuple[str, Any]] = {
+    "benchmark": ("a string", lambda v: isinstance(v, str)),
+    "sample_id": ("a string or an integer", lambda v: isinstance(v, str) or _is_number(v)),
+    "method": ("a string", lambda v: isinstance(v, str)),
+    "variant": ("a string", lambda v: isinstance(v, str)),
+    "task": ("a string", lambda v: isinstance(v, str)),
+    "status": ("a string", lambda v: isinstance(v, str)),
+    "budget": ("a number", _is_number),
+    "length": ("a number", _is_number),
+    "params": ("a mapping", lambda v: isinstance(v, dict)),
+    **{name: ("a number", _is_number) for name in ("score", "tpot", "ttft", "kv_bytes", "kv_ratio")},
+    **{name: ("a string", lambda v: isinstance(v, str)) for name in OWNER_FIELDS},
+}
+
+
+def record_problem(record: Any) -> str | None:
+    """Why a parsed JSON line is not a record (a required field missing, a field of the wrong type),
+    or None when it is one."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = [name for name in REQUIRED_FIELDS if record.get(name) is None]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for name, (kind, check) in FIELD_TYPES.items():
+        if record.get(name) is not None and not check(record[name]):
+            return f"{name} must be {kind}, got {record[name]!r}"
+    return None
+
+
+def foreign_fields(record: dict[str, Any], owner: dict[str, str]) -> dict[str, Any]:
+    """The fields of `record` naming another job than `owner` ({model, experiment, job} -> value)."""
+    return {k: record[k] for k, v in owner.items() if record.get(k) is not None and record[k] != v}
 
 
 def record_key(record: dict[str, Any]) -> str:
@@ -118,6 +168,8 @@ class RecordsFile:
     records: list[dict[str, Any]] = field(default_factory=list)
     n_lines: int = 0
     n_dropped: int = 0  # torn (no newline: killed mid-write) or corrupt lines
+    bad_lines: list[str] = field(default_factory=list)  # the complete ones of those (kept aside)
+    foreign: list[dict[str, Any]] = field(default_factory=list)  # records of another job
 
     @property
     def dirty(self) -> bool:
@@ -125,8 +177,11 @@ class RecordsFile:
         return len(self.records) != self.n_lines
 
 
-def scan_records(path: Path) -> RecordsFile:
-    """Records of a jsonl file, de-duplicated by key (the last wins), and the lines dropped."""
+def scan_records(path: Path, owner: dict[str, str] | None = None) -> RecordsFile:
+    """Records of a jsonl file, de-duplicated by key (the last wins), and the lines dropped.
+
+    `owner`: the job the file belongs to ({model, experiment, job} -> value, `JobStore.saved_owner`); a
+    record naming another is set apart in `foreign` and never replaces one of the job's own."""
     found = RecordsFile()
     if not path.exists():
         return found
@@ -136,13 +191,19 @@ def scan_records(path: Path) -> RecordsFile:
             found.n_lines += 1
             try:
                 if not line.endswith("\n"):  # torn write: the job was killed mid-line
-                    raise ValueError("torn line")
+                    found.n_dropped += 1
+                    continue
                 record = json.loads(line)
-                if not isinstance(record, dict) or not all(k in record for k in REQUIRED_FIELDS):
-                    raise ValueError("valid JSON, but not a record")
+                problem = record_problem(record)
+                if problem is not None:
+                    raise ValueError(f"valid JSON, but not a record: {problem}")
                 key = record_key(record)
-            except (ValueError, TypeError, AttributeError):  # torn, not JSON, or not a record
+            except (ValueError, TypeError, AttributeError):  # not JSON, or not a record
                 found.n_dropped += 1
+                found.bad_lines.append(line)
+                continue
+            if owner and foreign_fields(record, owner):
+                found.foreign.append(record)
                 continue
             by_key[key] = record
     found.records = list(by_key.values())
@@ -162,10 +223,18 @@ def iter_records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
         path = Path(path)
         files = [path] if path.is_file() else sorted(path.rglob(RECORDS))
         for file in files:
-            found = scan_records(file)
-            identity = JobStore(file.parent).saved_identity()
+            store = JobStore(file.parent)
+            owner = store.saved_owner()
+            found = scan_records(file, owner)
+            identity = store.saved_identity()
             if found.n_dropped:
                 print(f"[records] {file}: {found.n_dropped} torn or corrupt line(s) skipped", file=sys.stderr)
+            if found.foreign:
+                print(
+                    f"[records] {file}: {len(found.foreign)} record(s) of another job skipped "
+                    f"({describe_foreign(found.foreign, owner or {})})",
+                    file=sys.stderr,
+                )
             for record in found.records:
                 record.setdefault("job", file.parent.name)
                 record.setdefault("experiment", file.parent.parent.name)
@@ -177,6 +246,12 @@ def check_results_folder(job_dir: Path, needed_bytes: int = 0) -> None:
     """Raise ResultsFolderError unless `job_dir` can be created (or exists) and written, with at least
     `needed_bytes` free. Writes nothing that stays: the probe file is removed at once."""
     job_dir = Path(job_dir)
+    too_long = [part for part in job_dir.parts if len(os.fsencode(part)) > NAME_MAX]
+    if too_long:
+        raise ResultsFolderError(
+            f"results folder {job_dir}: the name {too_long[0][:40]}... has {len(os.fsencode(too_long[0]))} "
+            f"bytes, more than a file system allows ({NAME_MAX}); choose a shorter one"
+        )
     refuse_links(job_dir)
     existing = job_dir
     while not existing.exists():
@@ -202,7 +277,8 @@ def check_results_folder(job_dir: Path, needed_bytes: int = 0) -> None:
 
 def refuse_links(job_dir: Path) -> None:
     """Raise ResultsFolderError when the job folder, its experiment folder or any file in the job
-    folder is a symbolic link: writing through it would touch a file outside the results folder."""
+    folder is a symbolic link (writing through it would touch a file outside the results folder), or
+    when one of the runner's files (`JOB_FILES`) is anything but a file, e.g. a folder."""
     job_dir = Path(job_dir)
     entries = sorted(job_dir.iterdir()) if job_dir.is_dir() and not job_dir.is_symlink() else []
     for path in (job_dir.parent, job_dir, *entries):
@@ -210,6 +286,19 @@ def refuse_links(job_dir: Path) -> None:
             raise ResultsFolderError(
                 f"{path} is a symbolic link: the runner never writes through links; remove it"
             )
+    for path in entries:
+        if path.name in JOB_FILES and not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            raise ResultsFolderError(f"{path} is {what}, where the runner keeps a file; remove it")
+
+
+def describe_foreign(records: list[dict[str, Any]], owner: dict[str, str]) -> str:
+    """`model smollm2-135m, job other` for records of another job: the values that differ, first seen."""
+    differing: dict[str, Any] = {}
+    for record in records:
+        for key, value in foreign_fields(record, owner).items():
+            differing.setdefault(key, value)
+    return ", ".join(f"{key} {_short(str(value))}" for key, value in differing.items())
 
 
 def differing_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -234,6 +323,7 @@ class JobStore:
         self.dir = Path(job_dir)
         self.records_path = self.dir / RECORDS
         self.n_dropped = 0  # torn or corrupt lines dropped by the last `load`
+        self.kept_aside: Path | None = None  # where the last `load` kept the lines it dropped
         self._lock_fd: int | None = None
 
     @property
@@ -281,7 +371,10 @@ class JobStore:
         except OSError:  # no lock file (or a link, refused by refuse_links): nobody holds it
             return
         try:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            except OSError as error:  # e.g. a folder named .lock (refused by refuse_links first)
+                raise ResultsFolderError(f"cannot read {self.dir / LOCK}: {_reason(error)}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released by os.close below
             except BlockingIOError:
@@ -303,13 +396,43 @@ class JobStore:
             self._lock_fd = None
 
     # --- identity -----------------------------------------------------------------------------
-    def saved_identity(self) -> dict[str, Any] | None:
-        """The identity saved in config.yaml, or None (no config, or one written before identities)."""
+    def _saved_config(self) -> dict[str, Any]:
+        """config.yaml as a mapping; empty when it is missing, unreadable or not YAML."""
         try:
             saved = OmegaConf.to_container(OmegaConf.load(self.dir / CONFIG))
-        except Exception:  # missing, unreadable or not YAML: no identity to compare with
-            return None
-        return saved.get("identity") if isinstance(saved, dict) else None
+        except Exception:  # missing, unreadable or not YAML: nothing to compare with
+            return {}
+        return saved if isinstance(saved, dict) else {}
+
+    def saved_identity(self) -> dict[str, Any] | None:
+        """The identity saved in config.yaml, or None (no config, or one written before identities)."""
+        identity = self._saved_config().get("identity")
+        return identity if isinstance(identity, dict) else None
+
+    def saved_owner(self) -> dict[str, str] | None:
+        """The job config.yaml names ({model, experiment, job} -> value, those it has), or None."""
+        saved = self._saved_config()
+        validated = saved.get("validated") if isinstance(saved.get("validated"), dict) else {}
+        identity = saved.get("identity") if isinstance(saved.get("identity"), dict) else {}
+        model = validated.get("model") if isinstance(validated.get("model"), dict) else {}
+        owner = {
+            "model": identity.get("model.name", model.get("name")),
+            "experiment": validated.get("experiment"),
+            "job": validated.get("job"),
+        }
+        owner = {key: value for key, value in owner.items() if isinstance(value, str)}
+        return owner or None
+
+    def check_own_records(self, owner: dict[str, str]) -> None:
+        """Raise JobMismatch when records.jsonl holds records of another job than `owner` (copied in):
+        resuming would count them as the job's own, and one of them may hide a record of the job."""
+        foreign = scan_records(self.records_path, owner).foreign
+        if foreign:
+            raise JobMismatch(
+                f"{self.records_path} holds {len(foreign)} record(s) of another job "
+                f"({describe_foreign(foreign, owner)}); move them out of the file, or pass "
+                "overwrite=true (--force) to start the job again"
+            )
 
     def check_identity(self, identity: dict[str, Any]) -> None:
         """Raise JobMismatch when the folder holds results of a job with another identity."""
@@ -349,10 +472,14 @@ class JobStore:
         atomic_write(self.dir / "env.json", json.dumps(env, indent=2, default=str) + "\n")
 
     def load(self) -> list[dict[str, Any]]:
-        """Existing records, cleaned on disk when a previous run was killed mid-write."""
+        """Existing records, cleaned on disk when a previous run was killed mid-write; complete lines
+        that are not records are kept aside first, in `records.jsonl.dropped-<time>`."""
         found = scan_records(self.records_path)
         self.n_dropped = found.n_dropped
         if found.dirty:
+            if found.bad_lines:
+                self.kept_aside = _unused(self.dir / f"{RECORDS}.dropped-{time.strftime('%Y%m%d-%H%M%S')}")
+                atomic_write(self.kept_aside, "".join(found.bad_lines))
             atomic_write(self.records_path, "".join(json.dumps(r, default=str) + "\n" for r in found.records))
         return found.records
 
@@ -379,6 +506,15 @@ class JobStore:
 
     def finish(self, summary: dict[str, Any]) -> None:
         atomic_write(self.dir / DONE, json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... : the first that does not exist."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def _holder(text: str) -> str:

@@ -23,11 +23,17 @@ from centroidkv.errors import first_line
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
 from eval.hub import offline_unless_reachable
-from eval.records import JobError, JobStore, check_results_folder, environment, record_key
+from eval.records import JobError, JobStore, check_results_folder, environment, record_key, scan_records
 
 
 class SetupError(JobError):
     """The model or the samples could not be loaded (hub unreachable, data missing)."""
+
+
+class JobInterrupted(JobError):
+    """The job was stopped with Ctrl-C (SIGINT); every record written before is kept."""
+
+    exit_code = 130  # a shell's status for a process ended by SIGINT
 
 
 class NoSuccessError(JobError):
@@ -59,8 +65,9 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     """Run (or resume) one job; returns its summary, or None when it was already finished.
 
     Before the model loads: the results folder is checked (writable, room for the records), the job's
-    lock is taken, and the folder's saved identity must match this config's (unless `overwrite`).
-    Raises a JobError (one line) when the job cannot run or when no record succeeded.
+    lock is taken, the folder's saved identity must match this config's (unless `overwrite`), and its
+    records must all be the job's own. Raises a JobError (one line) when the job cannot run, when no
+    record succeeded, or when it is interrupted (Ctrl-C: JobInterrupted, exit status 130).
     """
     check_results_folder(cfg.job_dir, cfg.needed_bytes)
     store = JobStore(cfg.job_dir)
@@ -72,8 +79,19 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
                 file=sys.stderr,
             )
         return _run_locked(cfg, config_yaml, store)
+    except KeyboardInterrupt:
+        n_records = len(scan_records(store.records_path).records)  # whole lines only, as a resume reads
+        raise JobInterrupted(
+            f"{cfg.job_dir}: interrupted after {n_records} record(s), all kept in {store.records_path.name}; "
+            "rerun the same command to resume"
+        ) from None
     finally:
         store.unlock()
+
+
+def job_owner(cfg: RunConfig) -> dict[str, str]:
+    """What every record of the job names as its writer (see `eval.records.JobStore.saved_owner`)."""
+    return {"model": cfg.model.name, "experiment": cfg.experiment, "job": cfg.job}
 
 
 def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, Any] | None:
@@ -88,6 +106,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     if store.finished:
         print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
         return None
+    store.check_own_records(job_owner(cfg))
     from centroidkv import get_method, load_model, load_tokenizer
     from centroidkv.models import EMBEDDED_MODEL, HUB_MODELS
     from eval.calibrate import calibrate_missing
@@ -117,8 +136,9 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     )
     existing = store.load()
     if store.n_dropped:
+        kept = f"; the complete ones are kept in {store.kept_aside.name}" if store.kept_aside else ""
         print(
-            f"[resume] {store.records_path}: dropped {store.n_dropped} torn or corrupt line(s)",
+            f"[resume] {store.records_path}: dropped {store.n_dropped} torn or corrupt line(s){kept}",
             file=sys.stderr,
         )
     done = {record_key(r) for r in existing if r["status"] == "ok" or not cfg.retry_failed}
