@@ -50,8 +50,10 @@ from scripts.tables import (  # noqa: E402
     format_value,
     kv_ratio,
     load_or_error,
+    output_folder,
+    output_path,
+    safe_name,
     short_key_names,
-    writable_destination,
 )
 
 MARKERS = "osv^D<>pPX*h"
@@ -76,12 +78,12 @@ def _full_style(index: int) -> dict:
 
 
 def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
-    """Save `fig` as PNG and PDF, each to a temporary file in `out` renamed into place."""
-    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    """Save `fig` as PNG and PDF, each to a temporary file in `out` renamed into place; `name` is made
+    of `safe_name`s, and each path is checked to lie directly in `out` (`output_path`)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        output_folder(out)
+        paths = [output_path(out, f"{name}.png"), output_path(out, f"{name}.pdf")]
         for path in paths:
-            writable_destination(path)
             fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.stem}.", suffix=path.suffix)
             os.close(fd)
             try:
@@ -183,8 +185,8 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             color="dimgray",
             wrap=True,
         )
-        paths += _save(fig, out, f"{prefix}{benchmark}_accuracy_vs_budget")
-        paths += _accuracy_by_family(part, means, report, out, f"{prefix}{benchmark}")
+        paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_accuracy_vs_budget")
+        paths += _accuracy_by_family(part, means, report, out, f"{prefix}{safe_name(benchmark)}")
     return paths
 
 
@@ -230,7 +232,7 @@ def heatmaps(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     for benchmark, part in df[df["ok"] & df["depth"].notna()].groupby("benchmark"):
         report = benchmark_report(benchmark)
         if report.heatmap:
-            paths += _heatmap(part, report, out, f"{prefix}{benchmark}_heatmap")
+            paths += _heatmap(part, report, out, f"{prefix}{safe_name(benchmark)}_heatmap")
     return paths
 
 
@@ -354,7 +356,7 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
         ax.set_title(f"{benchmark}: average score vs measured KV ratio\n{_subtitle(part)}", fontsize=10)
-        paths += _save(fig, out, f"{prefix}{benchmark}_score_vs_kv")
+        paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
 
 
@@ -424,7 +426,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             ax.set_title(f"{method_label(method)}: score vs {swept}", fontsize=10)
         fig.suptitle(f"{benchmark} — {_subtitle(part)}", fontsize=10)
         fig.tight_layout()
-        paths += _save(fig, out, f"{prefix}{benchmark}_score_vs_param")
+        paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_param")
     return paths
 
 
@@ -436,7 +438,7 @@ def make_figures(df: pd.DataFrame, out: Path) -> list[Path]:
     paths: list[Path] = []
     for experiment, part in df.groupby("experiment"):
         for figure in FIGURES:
-            paths += figure(part, out, f"{experiment}_")
+            paths += figure(part, out, f"{safe_name(experiment)}_")
     return paths
 
 

@@ -14,8 +14,10 @@ budget's table. The Markdown is also printed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -460,7 +462,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             table = score_table(part, budget, names)
             tier = top_tier(part, budget) if budgets else set()
             table.attrs["bold"] = {"Avg": tier}
-            tables[f"{bench}_budget{budget:g}"] = (caption, table, 1)
+            tables[f"{safe_name(bench)}_budget{budget:g}"] = (caption, table, 1)
             averages[f"{budget:.0%}"] = (table["Avg"], tier)
         if report.summary and len(averages) > 1:
             summary = pd.DataFrame({column: avg for column, (avg, _) in averages.items()})
@@ -468,7 +470,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             summary.index.name = "Method"
             n_tasks = part["task"].nunique()
             caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
-            tables[f"{bench}_summary"] = (caption, summary, 1)
+            tables[f"{safe_name(bench)}_summary"] = (caption, summary, 1)
         if (
             report.ranking and budgets
         ):  # how stable the order is, at every budget (a single-budget ablation included)
@@ -476,7 +478,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
                 f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
                 f"{models}, context {lengths} tokens"
             )
-            tables[f"{bench}_ranking"] = (caption, ranking_table(part, budgets), 1)
+            tables[f"{safe_name(bench)}_ranking"] = (caption, ranking_table(part, budgets), 1)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
@@ -490,6 +492,46 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
 
 class OutputError(RuntimeError):
     """A table or figure file cannot be written; the message is one line."""
+
+
+# A name from the records (an experiment, a benchmark) used as it is in a file name.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
+
+
+def safe_name(text: object) -> str:
+    """`text` as part of a file name. A plain name (letters, digits, _ . -, not starting with a dot, at
+    most 100 characters) is kept; any other is reduced to its plain runs joined by "_" (at most 60
+    characters) and 8 hex digits of its hash, so that two names never reduce to the same one:
+    "../../x/PWNED" -> "x_PWNED-<hash>". Records name their experiment and benchmark themselves, so a
+    results folder from elsewhere never chooses where a table or figure is written."""
+    text = str(text)
+    if PLAIN_NAME.fullmatch(text):
+        return text
+    plain = "_".join(re.findall(r"[A-Za-z0-9_-]+", text))[:60]
+    digest = hashlib.sha256(text.encode(errors="replace")).hexdigest()[:8]
+    return f"{plain}-{digest}" if plain else digest
+
+
+def output_folder(out: Path) -> Path:
+    """`out`, created when missing, unless it is a symbolic link: tables and figures are never written
+    through one (a link named like the folder may point anywhere)."""
+    if out.is_symlink():
+        raise OutputError(
+            f"error: {out} is a symbolic link; not writing through it (remove it or give another --out)"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OutputError(f"error: cannot create {out}: {error.strerror or error}") from None
+    return out
+
+
+def output_path(out: Path, name: str) -> Path:
+    """`out / name`, once checked: not a symbolic link, and, resolved, a file directly in `out`."""
+    path = writable_destination(out / name)
+    if path.resolve().parent != out.resolve():
+        raise OutputError(f"error: {name!r} is not a plain file name in {out}; not writing it")
+    return path
 
 
 def writable_destination(path: Path) -> Path:
@@ -506,21 +548,19 @@ def write_text(path: Path, text: str) -> None:
     """Write `text` atomically (a temporary file in the same folder, renamed into place): a killed
     run leaves the old file or the new one, never a cut one."""
     try:
-        atomic_write(writable_destination(path), text)
+        atomic_write(output_path(path.parent, path.name), text)
     except ResultsWriteError as error:
         raise OutputError(f"error: {error}") from None
 
 
 def write_tables(df: pd.DataFrame, out: Path) -> list[Path]:
-    """Tables per experiment (file names prefixed by the experiment when there are several)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OutputError(f"error: cannot create {out}: {error.strerror or error}") from None
+    """Tables per experiment (file names prefixed by the experiment, `safe_name`, when there are
+    several), each written directly in `out`, never through a link (`output_path`)."""
+    output_folder(out)
     written = []
     several = df["experiment"].nunique() > 1
     for experiment, part in df.groupby("experiment"):
-        written += _write(part, out, f"{experiment}_" if several else "")
+        written += _write(part, out, f"{safe_name(experiment)}_" if several else "")
     return written
 
 
@@ -532,7 +572,7 @@ def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best)}\n"
         latex = to_latex(table, caption, digits, bold_best) + "\n"
         for suffix, text in ((".md", markdown), (".tex", latex)):
-            path = out / f"{name}{suffix}"
+            path = output_path(out, f"{name}{suffix}")
             write_text(path, text)
             written.append(path)
         print(markdown)
