@@ -58,6 +58,26 @@ class LongBench(Benchmark):
             )
         if self.data_dir is not None and not Path(str(self.data_dir)).is_dir():
             errors.append(f"benchmark.data_dir: no such folder {self.data_dir!r}")
+        elif self.data_dir is not None and not errors:
+            errors.extend(self._data_errors())
+        return errors
+
+    def _data_errors(self) -> list[str]:
+        """One line per task whose file under `data_dir` is missing or has a row that cannot be a
+        sample (the rows the job would read), found before any model loads."""
+        from eval.benchmarks.longbench.data import check_rows, load_rows, source_of
+
+        errors = []
+        for task in self.tasks:
+            dataset, e = task.removesuffix("_e"), task.endswith("_e")
+            try:
+                check_rows(
+                    load_rows(dataset, self.data_dir, e)[: self.n_samples],
+                    dataset,
+                    source_of(dataset, self.data_dir, e),
+                )
+            except (OSError, ValueError) as error:
+                errors.append(f"benchmark.data_dir: {error}")
         return errors
 
     @property

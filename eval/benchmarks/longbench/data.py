@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import string
 import zipfile
 from functools import cache
 from pathlib import Path
@@ -56,17 +57,57 @@ def _hub_zip() -> bytes:
     return Path(path).read_bytes()
 
 
-def load_rows(dataset: str, data_dir: str | Path | None = None, e: bool = False) -> list[dict[str, Any]]:
-    """The raw rows of a dataset: `<data_dir>/<name>.jsonl`, or the hub's data.zip when data_dir is None."""
+def source_of(dataset: str, data_dir: str | Path | None = None, e: bool = False) -> str:
+    """Where a dataset's rows are read: the file under `data_dir`, or the file inside the hub's zip."""
     name = file_name(dataset, e)
+    return str(Path(data_dir) / f"{name}.jsonl") if data_dir is not None else f"{HUB_REPO} data/{name}.jsonl"
+
+
+def load_rows(dataset: str, data_dir: str | Path | None = None, e: bool = False) -> list[dict[str, Any]]:
+    """The raw rows of a dataset: `<data_dir>/<name>.jsonl`, or the hub's data.zip when data_dir is None.
+    A line that is not JSON is a ValueError naming the file and the line."""
+    name = file_name(dataset, e)
+    source = source_of(dataset, data_dir, e)
     if data_dir is not None:
         path = Path(data_dir) / f"{name}.jsonl"
         if not path.exists():
             raise FileNotFoundError(f"no LongBench file {path}")
-        return read_jsonl(path)
+        try:
+            return read_jsonl(path)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{source}: not a jsonl file: {first_line(error)}") from None
     with zipfile.ZipFile(io.BytesIO(_hub_zip())) as archive:
         with archive.open(f"data/{name}.jsonl") as f:
             return [json.loads(line) for line in io.TextIOWrapper(f, encoding="utf-8") if line.strip()]
+
+
+def row_fields(dataset: str) -> tuple[str, ...]:
+    """The fields a row of `dataset` needs: its prompt's placeholders (context, input) and answers."""
+    base = dataset.removesuffix("_e")
+    names = [field for _, field, _, _ in string.Formatter().parse(PROMPTS[base]) if field]
+    return (*dict.fromkeys(names), "answers")
+
+
+def row_problem(row: Any, dataset: str) -> str | None:
+    """Why `row` cannot be a sample of `dataset` (not an object, a field missing, answers not a list
+    of strings), or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    missing = [field for field in row_fields(dataset) if field not in row]
+    if missing:
+        return f"no field {', '.join(map(repr, missing))} (a row of {dataset} has {', '.join(row_fields(dataset))})"
+    answers = row["answers"]
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        return f"'answers' must be a list of strings, got {answers!r:.60}"
+    return None
+
+
+def check_rows(rows: list[Any], dataset: str, source: str) -> None:
+    """Raise ValueError (one line naming `source`, the row and the field) for the first bad row."""
+    for number, row in enumerate(rows, start=1):
+        problem = row_problem(row, dataset)
+        if problem is not None:
+            raise ValueError(f"{source}: row {number}: {problem}")
 
 
 def truncate_middle(prompt: str, tokenizer: Tokenizer, max_length: int) -> tuple[str, bool]:
@@ -103,11 +144,13 @@ def load_samples(
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
     rows = load_rows(dataset, data_dir, e)
+    rows = rows[:n] if n is not None else rows
+    check_rows(rows, base, source_of(dataset, data_dir, e))
     tok = resolve_tokenizer(tokenizer)
     template = PROMPTS[base]
     head, tail = template.split("{context}")
     samples = []
-    for index, row in enumerate(rows[:n] if n is not None else rows):
+    for index, row in enumerate(rows):
         prompt, truncated = truncate_middle(template.format(**row), tok, max_length)
         question = tail.format(**row)
         if question and prompt.endswith(question):
