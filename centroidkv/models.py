@@ -12,14 +12,20 @@ Every model is loaded with the degree-aware attention (`centroidkv.attention`) s
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -165,6 +171,37 @@ def canonical_model_name(name: str) -> str:
 
 
 EMBEDDED_SHAPE = (30, 3)  # SmolLM2-135M: 30 layers x 3 KV heads (its config.json)
+EMBEDDED_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (its config.json)
+
+
+def max_positions(name: str) -> int | None:
+    """The positions a named model attends over (its config's `max_position_embeddings`: prompt and
+    generated tokens together), known without loading any weight; None when it is not known cheaply
+    (a hub model whose config.json is not in the local Hugging Face cache)."""
+    base, _ = parse_model_name(name)
+    if base in PAPER_CONFIGS:
+        return int(PAPER_CONFIGS[base][2]["max_position_embeddings"])
+    if base in TINY_MODELS:
+        return int(tiny_config(base).max_position_embeddings)
+    if base == EMBEDDED_MODEL:
+        return EMBEDDED_POSITIONS
+    config = _cached_hub_config(base)
+    value = config.get("max_position_embeddings") if config else None
+    return int(value) if isinstance(value, int) else None
+
+
+def _cached_hub_config(base: str) -> dict | None:
+    """A hub model's config.json from the local Hugging Face cache (never downloaded), or None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(HUB_MODELS[base], "config.json")
+        if not isinstance(cached, str):  # None or a "known to be missing" marker
+            return None
+        config = json.loads(Path(cached).read_text())
+        return config if isinstance(config, dict) else None
+    except (ImportError, OSError, ValueError, KeyError):
+        return None
 
 
 def model_shape(name: str) -> tuple[int, int] | None:
@@ -180,17 +217,12 @@ def model_shape(name: str) -> tuple[int, int] | None:
         return config.num_hidden_layers, config.num_key_value_heads
     if base == EMBEDDED_MODEL:
         return EMBEDDED_SHAPE
+    config = _cached_hub_config(base)
     try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(HUB_MODELS[base], "config.json")
-        if not isinstance(cached, str):  # None or a "known to be missing" marker
-            return None
-        config = json.loads(Path(cached).read_text())
         return int(config["num_hidden_layers"]), int(
             config.get("num_key_value_heads") or config["num_attention_heads"]
         )
-    except (ImportError, OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # no cached config (None), or one without the shape
         return None
 
 
@@ -207,11 +239,92 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
+# Written last into a converted checkpoint: the size of every file, checked before each load.
+MANIFEST = "conversion.json"
+# What a converted checkpoint holds at least (one converted before the manifest has no manifest).
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
 def _embedded_dir() -> Path:
-    """Convert the GGUF once into a safetensors checkpoint (~20 s); later loads take about a second."""
+    """Convert the GGUF once into a safetensors checkpoint (~20 s); later loads take about a second.
+
+    A conversion is complete when its manifest's sizes match the files (`conversion_problem`); an
+    incomplete one (a truncated or deleted file) is converted again, with a line saying so. Two
+    processes never convert at once (a lock file beside the checkpoint), and each converts into its
+    own temporary folder, renamed into place when complete."""
     target = cache_dir() / EMBEDDED_MODEL
-    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+    if conversion_problem(target) is None:
         return target
+    with _conversion_lock(target):
+        problem = conversion_problem(target)  # another process may have converted it meanwhile
+        if problem is None:
+            return target
+        if target.exists():
+            print(f"[models] {target}: {problem}; converting the embedded model again", file=sys.stderr)
+        _convert_embedded(target)
+    return target
+
+
+def conversion_problem(folder: Path) -> str | None:
+    """What is wrong with a converted checkpoint (missing, a file missing or of the wrong size), or
+    None when it is complete. Without a manifest (converted by an older version) the safetensors file
+    must have the size its own header describes."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        sizes = manifest["files"] if isinstance(manifest, dict) else None
+        if not isinstance(sizes, dict):
+            raise ValueError("no file sizes")
+    except FileNotFoundError:
+        sizes = None
+    except (OSError, ValueError, KeyError) as error:
+        return f"its {MANIFEST} cannot be read ({first_line(error)})"
+    if sizes is None:
+        missing = [name for name in CONVERTED_FILES if not (folder / name).is_file()]
+        if missing:
+            return "not converted yet" if not folder.exists() else f"{', '.join(missing)} missing"
+        return _safetensors_problem(folder / "model.safetensors")
+    for name, size in sizes.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the conversion wrote {size}"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Whether a safetensors file is as long as its header says (8 bytes of header length, the JSON
+    header, then the tensors' data up to the largest end offset): a truncated file is not."""
+    try:
+        with path.open("rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_size))
+        end = max(
+            (entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        return f"{path.name} cannot be read ({first_line(error)})"
+    expected = 8 + header_size + end
+    actual = path.stat().st_size
+    return None if actual == expected else f"{path.name} has {actual} bytes, its header describes {expected}"
+
+
+@contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `.<name>.lock` beside `target` (released when the holder dies)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _convert_embedded(target: Path) -> None:
+    """The GGUF as a safetensors checkpoint in `target`: written into a temporary folder of this
+    process, with the manifest last, then renamed into place (a broken copy is removed first)."""
     gguf = embedded_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -219,14 +332,20 @@ def _embedded_dir() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    # Write to a temporary folder and rename, so an interrupted conversion never leaves a broken copy.
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.replace(target)
-    return target
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        sizes = {path.name: path.stat().st_size for path in sorted(tmp.iterdir()) if path.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"gguf": gguf.name, "files": sizes}, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache is meant to be shared
+        if target.exists():  # a broken copy: moved away in one step, then removed
+            broken = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.broken-"))
+            target.replace(broken / target.name)
+            shutil.rmtree(broken, ignore_errors=True)
+        tmp.replace(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failed conversion's leftovers
 
 
 def _embedded_tokenizer() -> PreTrainedTokenizerBase:
@@ -308,9 +427,15 @@ def load_model(
         tokenizer = None
     elif name == EMBEDDED_MODEL:
         path = _embedded_dir()
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
+        except (OSError, ValueError, SafetensorError) as error:  # damaged after its sizes were checked
+            raise RuntimeError(
+                f"cannot read the converted embedded model in {path} ({first_line(error)}): delete that "
+                "folder, and the next run converts it again"
+            ) from None
         model = model.to(device)
         tokenizer = _embedded_tokenizer()
     else:
