@@ -11,8 +11,10 @@ prints one block: the answer, the KV ratio measured, the entries per layer and t
 untimed `warm_up`, so the first compression of the process is not counted several times slower).
 The same from Python: `generate(model, tokenizer, context, question, methods, budget)`.
 
-Every bad input (an unknown method, a missing file, a budget outside (0, 1]) is one line on stderr
-and exit status 2, before the model loads.
+Every bad input (an unknown method, a missing file, a budget outside (0, 1], a prompt and
+--max-new-tokens beyond the model's positions) is one line on stderr and exit status 2, before the
+model loads (`--truncate` cuts the middle of a context that is too long instead, as LongBench does).
+A model that cannot be loaded (the Hub unreachable, a gated model) is one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+import centroidkv.models as models  # used as models.<name>, so that tests can stand in for the loaders
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget_unit
 from centroidkv.decoding import (
     chat_prompt_ids,
@@ -40,7 +43,7 @@ from centroidkv.decoding import (
 )
 from centroidkv.errors import first_line
 from centroidkv.methods import Method, get_method
-from centroidkv.models import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
+from centroidkv.model_names import EMBEDDED_MODEL
 
 PROTOCOLS = ("full_prompt", "context_only")
 KVPRESS_PREFIX = "kvpress:"  # kvpress:SnapKVPress is get_method("kvpress", press="SnapKVPress")
@@ -83,6 +86,48 @@ def check_budget(budget: float) -> float:
     return float(budget)
 
 
+def prompt_length(tokenizer, context: str, question: str, protocol: str) -> int:
+    """The prompt's tokens, the chat template included (what the model's positions must hold besides
+    the new tokens), whichever way the protocol splits them."""
+    message = f"{context}\n\n{question}" if question else context
+    head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
+    return len(head) + len(tail)
+
+
+def check_fits(n_prompt: int, max_new_tokens: int, positions: int | None, model_name: str) -> None:
+    """ValueError (one line) unless the prompt and the new tokens fit in the model's positions."""
+    if positions is not None and n_prompt + max_new_tokens > positions:
+        raise ValueError(
+            f"the prompt ({n_prompt} tokens) and --max-new-tokens ({max_new_tokens}) need "
+            f"{n_prompt + max_new_tokens} positions, more than {model_name}'s {positions}: shorten the "
+            "context, lower --max-new-tokens, or pass --truncate to cut the middle of the context"
+        )
+
+
+def truncate_context(
+    tokenizer, context: str, question: str, protocol: str, max_new_tokens: int, positions: int
+) -> str:
+    """`context` with its middle cut (its first and last tokens kept, as LongBench truncates) so that
+    the prompt and `max_new_tokens` fit in `positions`; unchanged when they already do."""
+    ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    keep = len(ids)
+    for _ in range(8):  # decoding and encoding again may change a few tokens at the cut
+        excess = prompt_length(tokenizer, context, question, protocol) + max_new_tokens - positions
+        if excess <= 0:
+            return context
+        keep -= excess
+        if keep < 2:
+            raise ValueError(
+                f"the question, the chat template and --max-new-tokens ({max_new_tokens}) alone need "
+                f"more than the model's {positions} positions"
+            )
+        half = keep // 2
+        context = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
+            ids[len(ids) - (keep - half) :], skip_special_tokens=True
+        )
+    raise ValueError(f"the context could not be cut to fit the model's {positions} positions")
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     """End-of-sequence ids: the tokenizer's and the model's generation config's."""
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -109,8 +154,9 @@ def generate(
     the context and feeds the question afterwards (kvpress's protocol; presses always use it).
     `warm`: first run `warm_up` with the methods, so that a process's one-time costs (the first
     compression is several times slower) stay out of the times.
-    Raises ValueError (one line) for a bad method, budget, unit or protocol, or for CentroidKV's
-    a head policy on a model not calibrated yet (`python -m eval.calibrate`).
+    Raises ValueError (one line) for a bad method, budget, unit or protocol, for a prompt and
+    `max_new_tokens` beyond the model's positions (`max_position_embeddings`), or for a head policy
+    on a model not calibrated yet (`python -m eval.calibrate`); all before any prefill.
     """
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
@@ -127,6 +173,8 @@ def generate(
 
     head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
     own_head, own_tail = chat_prompt_ids(tokenizer, message, question, context_only=True)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    check_fits(len(head) + len(tail), max_new_tokens, positions, "the model")
     eos = eos_ids(model, tokenizer)
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
         method.listed_heads(model)
@@ -228,14 +276,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--protocol", choices=PROTOCOLS, default="full_prompt")
+    parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut the middle of a context too long for the model's positions (as LongBench does)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per method, one per line")
     return parser.parse_args(argv)
+
+
+def fitted_context(args: argparse.Namespace, tokenizer, context: str, question: str, positions: int) -> str:
+    """The context, cut in the middle when --truncate asks and it is too long; ValueError (one line)
+    when the prompt and --max-new-tokens do not fit in the model's `positions`."""
+    if args.truncate:
+        context = truncate_context(
+            tokenizer, context, question, args.protocol, args.max_new_tokens, positions
+        )
+    check_fits(
+        prompt_length(tokenizer, context, question, args.protocol), args.max_new_tokens, positions, args.model
+    )
+    return context
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:  # every input is checked before the model loads
-        if parse_model_name(args.model)[0] in RANDOM_MODELS:
+        if models.parse_model_name(args.model)[0] in models.RANDOM_MODELS:
             raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         if not methods:
@@ -243,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         for method in methods:
             parse_method(method)
         budget = check_budget(args.budget)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        positions = models.max_positions(args.model)  # None: a hub model not in the local cache
+        if args.max_new_tokens < 1 or (positions is not None and args.max_new_tokens >= positions):
+            most = f" and below {args.model}'s {positions} positions" if positions is not None else ""
+            raise ValueError(f"--max-new-tokens must be at least 1{most}, got {args.max_new_tokens}")
         context = args.prompt if args.prompt is not None else read_text(args.context, "context")
         question = args.question
         if question and Path(question).is_file():
@@ -254,10 +322,27 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from centroidkv.models import load_model
-
-    model, tokenizer = load_model(args.model)
     try:
+        tokenizer = models.load_tokenizer(args.model)
+    except (RuntimeError, OSError, ImportError, ValueError) as error:
+        print(f"error: cannot load the tokenizer of {args.model}: {first_line(error)}", file=sys.stderr)
+        return 1
+    try:  # the prompt must fit in the model's positions: checked before the model loads when known
+        if positions is not None:
+            context = fitted_context(args, tokenizer, context, question, positions)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = models.load_model(args.model)
+    except (RuntimeError, OSError, ImportError, ValueError) as error:  # the Hub unreachable, gated, ...
+        print(f"error: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
+        return 1
+    try:
+        if positions is None:  # a hub model whose config was not cached: its positions are known now
+            positions = getattr(model.config, "max_position_embeddings", None)
+            if positions is not None:
+                context = fitted_context(args, tokenizer, context, question, positions)
         answers = generate(
             model,
             tokenizer,
