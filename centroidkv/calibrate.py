@@ -1,7 +1,7 @@
 """Head files: a calibrated score for every (layer, KV head) pair, and the heads a head policy lists.
 
 A head policy (`centroidkv.heads`) lists the worst `fraction` of all (layer, KV head) pairs by a score
-measured here (`calibrate_heads`), on token windows the caller gives: prefill each window with a full
+measured by `centroidkv.head_scores.calibrate_heads` on token windows the caller gives: prefill each window with a full
 cache, shrink it to a budget, and compare each KV head's attention output for the last 64 queries (its
 query heads, the degree-aware attention, causal) against the full cache's: relative L2 error
 ||o_compressed - o_full|| / ||o_full||, averaged over the windows. The last queries are what the next
@@ -17,7 +17,8 @@ the attention itself:
   clustering: Chunked Soft Matching with CentroidKV's defaults (the paper's outlier heads, ~4 % of the
               heads that clustering damages most).
 
-The library holds no text: the harness's command (`python -m eval.calibrate --model NAME --score S`)
+This module reads and writes the files (light: no model, no cache); the measurements are in
+`centroidkv.head_scores`. The library holds no text: the harness's command (`python -m eval.calibrate --model NAME --score S`)
 feeds it windows of the dev essays and writes the JSON (model, score, budget, fraction, per-head
 errors, the list) to `<cache dir>/outlier_heads/<model>[.streaming].json` (`$CENTROIDKV_CACHE`, else
 ~/.cache/centroidkv; a cut random model's file is `<model>-<N>layers...`). `heads_file=<score>` reads
@@ -42,10 +43,8 @@ from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT
-
 if TYPE_CHECKING:
-    from torch import Tensor
+    pass
 
 PACKAGED_DIR = Path(__file__).parent / "data"
 FIELDS = ("model", "budget", "fraction", "n_layers", "n_kv_heads", "errors", "outliers")
@@ -59,7 +58,7 @@ def head_file_key(model_name: str) -> str:
     """The file-name stem of a model's head files: its canonical name (`centroidkv.models`), a depth
     written `-<N>layers` (`random-llama3.1-8b:2` -> `random-llama3.1-8b-2layers`), so that two depths
     of one model never share a file; a path-like name of a user's own model has its `/` as `--`."""
-    from centroidkv.models import canonical_model_name
+    from centroidkv.model_specs import canonical_model_name
 
     name = canonical_model_name(model_name)
     base, colon, depth = name.partition(":")
@@ -70,7 +69,7 @@ def head_file_key(model_name: str) -> str:
 
 def user_head_dir() -> Path:
     """Where user calibrations live: `<cache dir>/outlier_heads` (`$CENTROIDKV_CACHE`)."""
-    from centroidkv.models import cache_dir
+    from centroidkv.model_specs import cache_dir
 
     return cache_dir() / "outlier_heads"
 
@@ -163,7 +162,7 @@ def read_head_file(path: str | Path) -> dict:
 
 def same_model(a: str, b: str) -> bool:
     """Whether two names denote one model (`random-llama3.1-8b` and `random-llama3.1-8b:32` do)."""
-    from centroidkv.models import canonical_model_name
+    from centroidkv.model_specs import canonical_model_name
 
     return canonical_model_name(a) == canonical_model_name(b)
 
@@ -250,174 +249,6 @@ def listed_heads_for(
     check_head_file(path, data, name, shape)
     warn_if_settings_differ(path, data, settings)
     return worst_heads(data["errors"], fraction)
-
-
-def head_attention(
-    queries: Tensor, keys: Tensor, values: Tensor, log_degree: Tensor | None, scaling: float
-) -> Tensor:
-    """Causal degree-aware attention of the last w queries, per query head: [B, Hq, w, D] float32."""
-    from centroidkv.cache import causal_allowed
-
-    group = queries.shape[1] // keys.shape[1]
-    keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
-    logits = queries.float() @ keys.transpose(-1, -2) * scaling
-    if log_degree is not None:
-        logits = logits + log_degree.float().repeat_interleave(group, 1).unsqueeze(2)
-    allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ values
-
-
-def kv_head_energy(outputs: Tensor, n_kv_heads: int) -> Tensor:
-    """[Hkv]: sum of squares of [B, Hq, w, D] over the query heads of each KV head (and B, w, D)."""
-    return outputs.square().unflatten(1, (n_kv_heads, -1)).sum(dim=(0, 2, 3, 4))
-
-
-def head_errors(
-    model, prompts: list[Tensor], budget: float, score: str = "clustering", n_queries: int = 64
-) -> Tensor:
-    """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output under `score`'s
-    way of shrinking the cache to `budget` (see the module)."""
-    import torch
-
-    if score not in ("streaming", "clustering"):
-        raise ValueError(f"head_errors measures the streaming or clustering score, not {score!r}")
-    with torch.inference_mode():
-        return _head_errors(model, prompts, budget, score, n_queries)
-
-
-def clustering_method():
-    """CentroidKV with its defaults and no head policy: what the clustering score measures."""
-    from centroidkv import get_method
-
-    return get_method("centroidkv", heads="none")
-
-
-def streaming_window(keys: Tensor, values: Tensor, budget: float) -> tuple[Tensor, Tensor]:
-    """The streaming score's cache: the first `STREAMING_SINKS` entries and the most recent ones, for
-    int(budget x T) entries in all."""
-    import torch
-
-    length = keys.shape[2]
-    kept = max(STREAMING_SINKS + 1, int(budget * length))
-    if kept >= length:
-        return keys, values
-    index = torch.cat(
-        [torch.arange(STREAMING_SINKS), torch.arange(length - (kept - STREAMING_SINKS), length)]
-    ).to(keys.device)
-    return keys[:, :, index], values[:, :, index]
-
-
-def _head_errors(model, prompts: list[Tensor], budget: float, score: str, n_queries: int) -> Tensor:
-    import torch
-    from tqdm import tqdm
-
-    from centroidkv import CompressedCache
-    from centroidkv.needs import query_window
-
-    method = clustering_method() if score == "clustering" else None
-    needs = [*query_window(n_queries), *(method.needs() if method else ())]
-    total = None
-    for ids in tqdm(prompts, desc=f"calibrating heads ({score} score)", unit="prompt"):
-        full = CompressedCache("full", 1.0, 0, needs=needs)
-        model(ids, past_key_values=full, logits_to_keep=1)
-        compressed = full.fork(method, budget).layers if method else [None] * len(full.layers)
-        rows = []
-        for reference, layer in zip(full.layers, compressed, strict=True):
-            queries = reference.queries
-            expected = head_attention(queries, reference.keys, reference.values, None, reference.scaling)
-            if layer is None:
-                keys, values = streaming_window(reference.keys, reference.values, budget)
-                got = head_attention(queries, keys, values, None, reference.scaling)
-            else:
-                got = head_attention(queries, layer.keys, layer.values, layer.log_degree, reference.scaling)
-            n_kv_heads = reference.keys.shape[1]
-            rows.append(
-                (kv_head_energy(got - expected, n_kv_heads) / kv_head_energy(expected, n_kv_heads)).sqrt()
-            )
-        errors = torch.stack(rows)
-        total = errors if total is None else total + errors
-    return total / len(prompts)
-
-
-MEASURES = {
-    "needle": "attention mass of the last 32 queries on the answer's tokens in the context (retrieval heads)",
-    "clustering": "relative L2 error of each KV head's attention output, clustered (CentroidKV) vs full cache",
-    "streaming": f"relative L2 error of each KV head's attention output, {STREAMING_SINKS} sinks + a recent "
-    "window vs full cache (DuoAttention's criterion)",
-}
-
-
-def needle_mass(model, prompts: list[Tensor], needles: list[Tensor], n_queries: int = 32) -> Tensor:
-    """[n_layers, n_kv_heads] attention mass of the last `n_queries` queries on the positions
-    `needles[i]` (1-D, the answer's tokens in the context) of `prompts[i]` ([1, T]): averaged over the
-    queries, the query heads of each KV head and the prompts."""
-    import torch
-    from tqdm import tqdm
-
-    from centroidkv import CompressedCache
-    from centroidkv.cache import causal_allowed
-    from centroidkv.needs import query_window
-
-    total = None
-    with torch.inference_mode():
-        for ids, positions in tqdm(
-            list(zip(prompts, needles, strict=True)), desc="calibrating heads (needle score)", unit="prompt"
-        ):
-            full = CompressedCache("full", 1.0, 0, needs=query_window(n_queries))
-            model(ids, past_key_values=full, logits_to_keep=1)
-            rows = []
-            for layer in full.layers:
-                queries, keys = layer.queries.float(), layer.keys.float()
-                group = queries.shape[1] // keys.shape[1]
-                logits = queries @ keys.repeat_interleave(group, 1).transpose(-1, -2) * layer.scaling
-                allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
-                probabilities = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-                mass = probabilities[..., positions.to(keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
-                rows.append(mass.unflatten(0, (keys.shape[1], group)).mean(dim=1))
-            scores = torch.stack(rows)
-            total = scores if total is None else total + scores
-    return total / len(prompts)
-
-
-def calibrate_heads(
-    model,
-    name: str,
-    prompts: list[Tensor],
-    budget: float = 0.25,
-    fraction: float = 0.04,
-    text: str = "",
-    score: str = "clustering",
-    needles: list[Tensor] | None = None,
-) -> dict:
-    """Measure every head's score on the token windows `prompts` ([1, T] each, on any device) and
-    return the head file's content; `text` says in words what the windows are. The needle score needs
-    `needles`, the answer's token positions in each prompt."""
-    device = next(model.parameters()).device
-    check_score(score)
-    if score == "needle":
-        if needles is None:
-            raise ValueError("the needle score needs the answer's positions in each prompt (needles=...)")
-        errors = needle_mass(model, [ids.to(device) for ids in prompts], needles)
-    else:
-        errors = head_errors(model, [ids.to(device) for ids in prompts], budget, score)
-    data = {
-        "model": name,
-        "score": score,
-        "budget": budget,
-        "budget_unit": {"clustering": DEFAULT_BUDGET_UNIT, "streaming": "entries"}.get(score),
-        "fraction": fraction,
-        "n_layers": errors.shape[0],
-        "n_kv_heads": errors.shape[1],
-        "text": text,
-        "measure": MEASURES[score],
-        "errors": [[round(float(e), 6) for e in row] for row in errors],
-    }
-    if score == "clustering":  # the settings whose damage was measured (a run with others is warned)
-        data["method"] = {k: v for k, v in clustering_method().params().items() if not k.startswith("heads")}
-    data["outliers"] = [
-        [layer, head] for layer, heads in worst_heads(data["errors"], fraction).items() for head in heads
-    ]
-    return data
 
 
 def write_head_file(data: dict, path: Path) -> Path:

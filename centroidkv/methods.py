@@ -255,7 +255,7 @@ def check_float(method: Method, field: str, low: float, high: float, low_open: b
 def _model_shape(model_name: str) -> tuple[int, int] | None:
     """(layers, KV heads) of a named model without loading it; None when unknown (a hub model not in
     the local cache, or a name the config validation reports on its own)."""
-    from centroidkv.models import model_shape
+    from centroidkv.model_specs import model_shape
 
     try:
         return model_shape(model_name)

@@ -30,90 +30,32 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
     MistralForCausalLM,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
 from centroidkv.errors import first_line
 from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS
+from centroidkv.model_specs import (  # the names and shapes, known without loading (re-exported)
+    EMBEDDED_POSITIONS,  # noqa: F401
+    EMBEDDED_SHAPE,  # noqa: F401
+    MODEL_NAMES,  # noqa: F401
+    PAPER_CONFIGS,
+    RANDOM_MODELS,  # noqa: F401
+    cache_dir,
+    canonical_model_name,
+    check_model_name,  # noqa: F401
+    max_positions,  # noqa: F401
+    model_shape,  # noqa: F401
+    paper_config,
+    parse_model_name,
+    tiny_config,
+)
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
-
-# The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
-_LLAMA_MISTRAL_7B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
-    "random-llama3.1-8b": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        dict(
-            _LLAMA_MISTRAL_7B,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            bos_token_id=128000,
-            eos_token_id=128001,
-        ),
-    ),
-    "random-mistral-7b": (
-        MistralConfig,
-        MistralForCausalLM,
-        dict(
-            _LLAMA_MISTRAL_7B,
-            vocab_size=32768,
-            max_position_embeddings=32768,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-            sliding_window=None,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-    ),
-    "random-qwen2-7b": (
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            head_dim=128,
-            max_position_embeddings=32768,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            tie_word_embeddings=False,
-            bos_token_id=151643,
-            eos_token_id=151645,
-        ),
-    ),
-}
-MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
-RANDOM_MODELS = (*PAPER_CONFIGS, *TINY_MODELS)  # seeded random weights, no tokenizer
 
 
 def default_device() -> str:
@@ -124,106 +66,6 @@ def default_device() -> str:
 def default_dtype(device: str) -> torch.dtype:
     """The dtype a model runs in when none is asked for: bfloat16 on a GPU, float32 on a CPU."""
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-
-def cache_dir() -> Path:
-    """Where converted models and calibration files live (`$CENTROIDKV_CACHE` or ~/.cache/centroidkv)."""
-    return Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv"))
-
-
-def parse_model_name(name: str) -> tuple[str, int | None]:
-    """`random-llama3.1-8b:2` -> ("random-llama3.1-8b", 2); any other valid name -> (name, None).
-
-    Raises one ValueError for an unknown name or a depth outside 1 .. the published layer count.
-    """
-    base, colon, depth = name.partition(":") if isinstance(name, str) else (name, "", "")
-    if base not in MODEL_NAMES:
-        raise ValueError(
-            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} "
-            f"(random-*:N keeps the first N layers)"
-        )
-    if not colon:
-        return base, None
-    if base not in PAPER_CONFIGS:
-        raise ValueError(f"model {name!r}: only the random-* models take a depth (:N)")
-    full_depth = PAPER_CONFIGS[base][2]["num_hidden_layers"]
-    if not depth.isdigit() or not 1 <= int(depth) <= full_depth:
-        raise ValueError(f"model {name!r}: the depth after ':' must be an integer in 1..{full_depth}")
-    return base, int(depth)
-
-
-def check_model_name(name: str) -> None:
-    parse_model_name(name)
-
-
-def canonical_model_name(name: str) -> str:
-    """The one name of a model however it was written: a paper-shaped model at its full depth is its
-    base name (`random-llama3.1-8b:32` -> `random-llama3.1-8b`), a cut one keeps its depth
-    (`random-llama3.1-8b:2`). A name this module does not know (a model prepared by the user) is
-    returned as it is."""
-    try:
-        base, depth = parse_model_name(name)
-    except ValueError:
-        return name
-    if depth is None or depth == PAPER_CONFIGS[base][2]["num_hidden_layers"]:
-        return base
-    return f"{base}:{depth}"
-
-
-EMBEDDED_SHAPE = (30, 3)  # SmolLM2-135M: 30 layers x 3 KV heads (its config.json)
-EMBEDDED_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (its config.json)
-
-
-def max_positions(name: str) -> int | None:
-    """The positions a named model attends over (its config's `max_position_embeddings`: prompt and
-    generated tokens together), known without loading any weight; None when it is not known cheaply
-    (a hub model whose config.json is not in the local Hugging Face cache)."""
-    base, _ = parse_model_name(name)
-    if base in PAPER_CONFIGS:
-        return int(PAPER_CONFIGS[base][2]["max_position_embeddings"])
-    if base in TINY_MODELS:
-        return int(tiny_config(base).max_position_embeddings)
-    if base == EMBEDDED_MODEL:
-        return EMBEDDED_POSITIONS
-    config = _cached_hub_config(base)
-    value = config.get("max_position_embeddings") if config else None
-    return int(value) if isinstance(value, int) else None
-
-
-def _cached_hub_config(base: str) -> dict | None:
-    """A hub model's config.json from the local Hugging Face cache (never downloaded), or None."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(HUB_MODELS[base], "config.json")
-        if not isinstance(cached, str):  # None or a "known to be missing" marker
-            return None
-        config = json.loads(Path(cached).read_text())
-        return config if isinstance(config, dict) else None
-    except (ImportError, OSError, ValueError, KeyError):
-        return None
-
-
-def model_shape(name: str) -> tuple[int, int] | None:
-    """(layers, KV heads) of a named model, known without loading any weight; None when it is not
-    known cheaply. Hub models: read from the config.json already in the local Hugging Face cache,
-    never downloaded (without a cached copy the shape is unknown and callers skip the shape check)."""
-    base, depth = parse_model_name(name)
-    if base in PAPER_CONFIGS:
-        values = PAPER_CONFIGS[base][2]
-        return depth or values["num_hidden_layers"], values["num_key_value_heads"]
-    if base in TINY_MODELS:
-        config = tiny_config(base)
-        return config.num_hidden_layers, config.num_key_value_heads
-    if base == EMBEDDED_MODEL:
-        return EMBEDDED_SHAPE
-    config = _cached_hub_config(base)
-    try:
-        return int(config["num_hidden_layers"]), int(
-            config.get("num_key_value_heads") or config["num_attention_heads"]
-        )
-    except (ValueError, KeyError, TypeError):  # no cached config (None), or one without the shape
-        return None
 
 
 def embedded_gguf_path() -> Path:
@@ -367,35 +209,6 @@ def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     if base == EMBEDDED_MODEL or base in TINY_MODELS or base in PAPER_CONFIGS:
         return _embedded_tokenizer()
     return _from_hub(AutoTokenizer.from_pretrained, HUB_MODELS[base])
-
-
-def paper_config(name: str, n_layers: int | None = None) -> PretrainedConfig:
-    """The published configuration of a paper-shaped model, optionally cut to its first `n_layers`."""
-    config_class, _, values = PAPER_CONFIGS[name]
-    values = dict(values)
-    if n_layers is not None:
-        values["num_hidden_layers"] = n_layers
-    return config_class(**values)
-
-
-def tiny_config(name: str, **overrides) -> LlamaConfig | MistralConfig:
-    """A small random config with grouped-query attention (4 query heads share 2 KV heads)."""
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    common.update(overrides)
-    if name == "tiny-llama":
-        return LlamaConfig(**common)
-    if name == "tiny-mistral":
-        return MistralConfig(sliding_window=None, **common)
-    raise ValueError(f"unknown tiny model {name!r}")
 
 
 def load_model(

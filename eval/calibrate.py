@@ -2,7 +2,7 @@
 
     python -m eval.calibrate --model smollm2-135m [--score clustering|streaming] [--budget 0.25] [--fraction 0.04]
 
-The measure is the library's (`centroidkv.calibrate.calibrate_heads`); the text is the harness's:
+The measure is the library's (`centroidkv.head_scores.calibrate_heads`); the text is the harness's:
 `--prompts` consecutive windows of `--tokens` tokens of the dev half of the Paul Graham essays
 (`eval.text`), the half no reported result reads. The JSON goes to
 `<cache dir>/outlier_heads/<model>[.streaming].json` (`$CENTROIDKV_CACHE`, else ~/.cache/centroidkv),
@@ -28,7 +28,6 @@ from centroidkv.budget import check_protected_fit, protected_entries
 from centroidkv.calibrate import (
     HEAD_SCORES,
     CalibrationMissing,
-    calibrate_heads,
     user_head_file,
     write_head_file,
 )
@@ -116,6 +115,8 @@ def calibrate(
         from centroidkv.models import load_tokenizer
 
         tokenizer = load_tokenizer(name)
+    from centroidkv.head_scores import calibrate_heads
+
     n_prompts = n_prompts or DEFAULT_PROMPTS[score]
     if score == "clustering":
         text = (

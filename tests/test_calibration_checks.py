@@ -28,6 +28,7 @@ import torch
 from test_harness import TINY, composed, run_cfg
 
 import centroidkv.calibrate
+import centroidkv.head_scores
 import centroidkv.models
 import eval.calibrate as calibrate
 from centroidkv import CompressedCache, get_method
@@ -293,8 +294,8 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
         raise AssertionError("calibration ran inside a compression")
 
     monkeypatch.setattr(calibrate, "calibrate", forbidden)
-    monkeypatch.setattr(centroidkv.calibrate, "calibrate_heads", forbidden)
-    monkeypatch.setattr(centroidkv.calibrate, "head_errors", forbidden)
+    monkeypatch.setattr(centroidkv.head_scores, "calibrate_heads", forbidden)
+    monkeypatch.setattr(centroidkv.head_scores, "head_errors", forbidden)
     monkeypatch.setattr(centroidkv.models, "load_tokenizer", forbidden)
     model, _ = load_model("tiny-llama")
     method = get_method("centroidkv", chunk_size=32, heads_fraction=0.25)  # 1 head of 2 x 2

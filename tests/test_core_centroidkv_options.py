@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from centroidkv import CompressedCache, get_method
 from centroidkv.attention import degree_attention
-from centroidkv.calibrate import head_errors, worst_heads
+from centroidkv.calibrate import worst_heads
 from centroidkv.centroidkv import undo_rope
 from centroidkv.csm import csm_compress
+from centroidkv.head_scores import head_errors
 from centroidkv.kv import LayerKV
 from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
 

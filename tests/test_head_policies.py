@@ -134,7 +134,7 @@ def test_a_head_policy_is_refused_where_it_cannot_apply():
 
 def test_the_needle_score_is_attention_mass_on_the_needle_positions(tiny_model):
     """All positions take every query's whole attention (mass 1); disjoint sets add up."""
-    from centroidkv.calibrate import needle_mass
+    from centroidkv.head_scores import needle_mass
 
     ids = [prompt(120, seed=3)]
     everything = needle_mass(tiny_model, ids, [torch.arange(120)], n_queries=8)
@@ -149,7 +149,8 @@ def test_the_needle_score_is_attention_mass_on_the_needle_positions(tiny_model):
 
 
 def test_the_streaming_score_keeps_the_sinks_and_the_newest_entries():
-    from centroidkv.calibrate import STREAMING_SINKS, streaming_window
+    from centroidkv.calibrate import STREAMING_SINKS
+    from centroidkv.head_scores import streaming_window
 
     keys = torch.arange(100.0).view(1, 1, 100, 1).expand(1, 2, 100, 3)
     kept, _ = streaming_window(keys, keys, 0.2)

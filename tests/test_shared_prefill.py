@@ -34,7 +34,11 @@ BUDGET = 0.25
 def zoo_presses() -> list[dict]:
     """The kvpress entries of `make zoo` (configs/experiment/kvpress_zoo.yaml), as method params."""
     config = yaml.safe_load((ROOT / "configs" / "experiment" / "kvpress_zoo.yaml").read_text())
-    return [entry["params"] for entry in config["methods"] if isinstance(entry, dict)]
+    return [
+        entry["params"]
+        for entry in config["methods"]
+        if isinstance(entry, dict) and entry["name"] == "kvpress"
+    ]
 
 
 def own_and_shared(model, params_list: list[dict], ids: torch.Tensor, max_new: int):
