@@ -463,7 +463,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             tier = top_tier(part, budget) if budgets else set()
             table.attrs["bold"] = {"Avg": tier}
             tables[f"{safe_name(bench)}_budget{budget:g}"] = (caption, table, 1)
-            averages[f"{budget:.0%}"] = (table["Avg"], tier)
+            averages[f"{budget * 100:g}%"] = (table["Avg"], tier)
         if report.summary and len(averages) > 1:
             summary = pd.DataFrame({column: avg for column, (avg, _) in averages.items()})
             summary.attrs["bold"] = {column: tier for column, (_, tier) in averages.items()}
