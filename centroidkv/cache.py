@@ -20,7 +20,8 @@ Layout of one layer (`CompressedLayer`):
   keys, values     [B, H_c, T, D]   the compressed KV heads (every head unless the method keeps some whole)
   log_degree       [B, H_c, T]      float32 log of each entry's degree (None while all degrees are 1)
   extras[name]     [B, H_c, T]      entry records, aligned with the entries (float32)
-  windows[name]    [B, H_q, w, ...] window records, all query heads (e.g. the last w queries)
+  windows[name]    [B, H_q, w, ...] window records (e.g. the last w queries): every query head, or
+                                    after a head policy's split the query heads of this group
   whole_keys/values [B, H_o, n, D]  heads=whole: the listed KV heads (`centroidkv.heads`), every token
                                     seen, never compressed; `whole_heads` [H_o] and
                                     `compressed_heads` [H_c] give the KV head ids of the two groups.
@@ -227,8 +228,7 @@ class CompressedLayer(DynamicLayer):
     def capacity_bytes(self) -> int:
         """Bytes of the buffers behind this layer's stored tensors (live entries plus headroom)."""
         total = self.favoured.capacity_bytes() if self.favoured is not None else 0
-        own = len(self.stored_tensors()) - (len(self.favoured.stored_tensors()) if self.favoured else 0)
-        for tensor in self.stored_tensors()[:own]:
+        for tensor in self._own_tensors():
             backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
             total += backing.numel() * backing.element_size()
         return total
@@ -289,6 +289,10 @@ class CompressedLayer(DynamicLayer):
     def stored_tensors(self) -> list[Tensor]:
         """Everything this layer stores for its method: entries, degrees, entry records, whole heads,
         the favoured heads' layer."""
+        favoured = self.favoured.stored_tensors() if self.favoured is not None else []
+        return self._own_tensors() + favoured
+
+    def _own_tensors(self) -> list[Tensor]:
         parts = [
             self.keys,
             self.values,
@@ -297,8 +301,7 @@ class CompressedLayer(DynamicLayer):
             self.whole_keys,
             self.whole_values,
         ]
-        favoured = self.favoured.stored_tensors() if self.favoured is not None else []
-        return [t for t in parts if t is not None] + favoured
+        return [t for t in parts if t is not None]
 
     @property
     def budget_len(self) -> int | None:
