@@ -326,6 +326,19 @@ def generate_after_own_prefill(
         )
 
 
+def chat_text(tokenizer, user_message: str, answer_prefix: str = "", use_chat_template: bool = True) -> str:
+    """The prompt as text: the chat template around `user_message` as the user's turn with the
+    assistant's generation prompt (when the tokenizer has one and `use_chat_template`), then
+    `answer_prefix`."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
+        )
+    else:
+        text = user_message
+    return text + (answer_prefix or "")
+
+
 def chat_prompt_ids(
     tokenizer,
     user_message: str,
@@ -341,13 +354,7 @@ def chat_prompt_ids(
     `context_only`, the text from the last occurrence of `question` on is the second part (the
     context-only protocol); otherwise the second part is empty (the full-prompt protocol).
     """
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
-        )
-    else:
-        text = user_message
-    text += answer_prefix or ""
+    text = chat_text(tokenizer, user_message, answer_prefix, use_chat_template)
     split = len(text)
     if context_only and question:
         found = text.rfind(question)

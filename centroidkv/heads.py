@@ -36,17 +36,15 @@ from centroidkv.calibrate import HEAD_SCORES
 HEAD_POLICIES = ("none", "whole", "budget")
 
 
-def check_head_policy(name: str, policy: str, head_file: str | Path, fraction: float, boost: float) -> None:
-    """One ValueError line for a policy, score or file name, fraction or boost that cannot run."""
+def check_head_policy(name: str, policy: str, head_file: str | Path, boost: float) -> None:
+    """One ValueError line for a policy, score or file name or boost that cannot run (the fraction is
+    checked with the method's other numbers, `centroidkv.methods.check_float`)."""
     if policy not in HEAD_POLICIES:
         raise ValueError(f"{name}: heads must be one of {', '.join(HEAD_POLICIES)}, got {policy!r}")
     if not isinstance(head_file, (str, Path)):
         raise ValueError(
             f"{name}: heads_file must be {' or '.join(HEAD_SCORES)} or a path, got {head_file!r}"
         )
-    ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 <= fraction <= 1
-    if not ok:
-        raise ValueError(f"{name}: heads_fraction must be a number in [0, 1], got {fraction!r}")
     ok = isinstance(boost, (int, float)) and not isinstance(boost, bool) and 1 < boost < math.inf
     if not ok:
         raise ValueError(f"{name}: heads_boost must be a number > 1, got {boost!r}")

@@ -124,11 +124,16 @@ class Method:
         return True
 
     # --- the head policy (centroidkv.heads) ---------------------------------------------------------
+    @property
+    def lists_heads(self) -> bool:
+        """Whether the head policy lists any head (a policy, a fraction above 0, a method that compresses)."""
+        return self.heads != "none" and self.heads_fraction > 0 and self.compresses
+
     def head_file(self, model_name: str) -> Path | None:
         """The head file this policy reads on `model_name`: its path, or for a score the user's
         calibration, else the package's, else the user's file that calibration would write; None when
         no head is listed (heads=none, a fraction of 0, or one that rounds to no head of the model)."""
-        if self.heads == "none" or self.heads_fraction == 0 or not self.compresses:
+        if not self.lists_heads:
             return None
         shape = _model_shape(model_name)
         if shape is not None and round(self.heads_fraction * shape[0] * shape[1]) == 0:
@@ -188,7 +193,7 @@ class Method:
         """KV heads, per layer index, that the head policy lists (kept whole under heads=whole, given
         more entries under heads=budget); called once when a cache first compresses on `model`, so it
         only reads a file, never runs the model (`centroidkv.calibrate.CalibrationMissing`)."""
-        if self.heads == "none" or self.heads_fraction == 0 or not self.compresses:
+        if not self.lists_heads:
             return {}
         from centroidkv.calibrate import listed_heads_for
 
@@ -198,7 +203,8 @@ class Method:
         check_int(self, "n_sink", minimum=0)
         check_int(self, "n_recent", minimum=0)
         check_int(self, "compress_interval", minimum=1)
-        check_head_policy(self.name, self.heads, self.heads_file, self.heads_fraction, self.heads_boost)
+        check_float(self, "heads_fraction", 0.0, 1.0)
+        check_head_policy(self.name, self.heads, self.heads_file, self.heads_boost)
         if self.heads != "none" and not self.compresses:
             raise ValueError(f"{self.name}: a head policy needs a method that compresses (heads=none)")
 

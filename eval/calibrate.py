@@ -64,20 +64,21 @@ def needle_prompts(tokenizer, n_prompts: int, n_tokens: int) -> tuple[list[Tenso
     evaluated) and, for each, the positions of the tokens that spell its answers in the context."""
     import torch
 
+    from centroidkv.decoding import chat_text
     from eval.benchmarks.ruler.tasks import generate_samples
 
+    per_task = {  # prompt i is sample i // len(NEEDLE_TASKS) of task i % len(NEEDLE_TASKS)
+        task: generate_samples(
+            task, n_tokens, tokenizer, len(range(t, n_prompts, len(NEEDLE_TASKS))), NEEDLE_SEED, split="dev"
+        )
+        for t, task in enumerate(NEEDLE_TASKS)
+        if t < n_prompts
+    }
     prompts, needles = [], []
     for index in range(n_prompts):
         task = NEEDLE_TASKS[index % len(NEEDLE_TASKS)]
-        sample = generate_samples(
-            task, n_tokens, tokenizer, index // len(NEEDLE_TASKS) + 1, NEEDLE_SEED, split="dev"
-        )[-1]
-        text = (
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": sample["input"]}], add_generation_prompt=True, tokenize=False
-            )
-            + sample["answer_prefix"]
-        )
+        sample = per_task[task][index // len(NEEDLE_TASKS)]
+        text = chat_text(tokenizer, sample["input"], sample["answer_prefix"])
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         end_of_context = text.rfind(sample["question"])
         spans = []
