@@ -15,18 +15,23 @@ from centroidkv.methods import get_method
 from centroidkv.needs import query_window
 
 
+def head_probabilities(queries: Tensor, keys: Tensor, log_degree: Tensor | None, scaling: float) -> Tensor:
+    """Causal degree-aware attention probabilities of the last w queries over the cache, per query
+    head: [B, Hq, w, T] float32."""
+    group = queries.shape[1] // keys.shape[1]
+    logits = queries.float() @ keys.float().repeat_interleave(group, 1).transpose(-1, -2) * scaling
+    if log_degree is not None:
+        logits = logits + log_degree.float().repeat_interleave(group, 1).unsqueeze(2)
+    allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
 def head_attention(
     queries: Tensor, keys: Tensor, values: Tensor, log_degree: Tensor | None, scaling: float
 ) -> Tensor:
     """Causal degree-aware attention of the last w queries, per query head: [B, Hq, w, D] float32."""
-
     group = queries.shape[1] // keys.shape[1]
-    keys, values = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
-    logits = queries.float() @ keys.transpose(-1, -2) * scaling
-    if log_degree is not None:
-        logits = logits + log_degree.float().repeat_interleave(group, 1).unsqueeze(2)
-    allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1) @ values
+    return head_probabilities(queries, keys, log_degree, scaling) @ values.float().repeat_interleave(group, 1)
 
 
 def kv_head_energy(outputs: Tensor, n_kv_heads: int) -> Tensor:
@@ -39,7 +44,6 @@ def head_errors(
 ) -> Tensor:
     """[n_layers, n_kv_heads] relative L2 error of each KV head's attention output under `score`'s
     way of shrinking the cache to `budget` (see the module)."""
-
     if score not in ("streaming", "clustering"):
         raise ValueError(f"head_errors measures the streaming or clustering score, not {score!r}")
     with torch.inference_mode():
@@ -48,14 +52,12 @@ def head_errors(
 
 def clustering_method():
     """CentroidKV with its defaults and no head policy: what the clustering score measures."""
-
     return get_method("centroidkv", heads="none")
 
 
 def streaming_window(keys: Tensor, values: Tensor, budget: float) -> tuple[Tensor, Tensor]:
     """The streaming score's cache: the first `STREAMING_SINKS` entries and the most recent ones, for
     int(budget x T) entries in all."""
-
     length = keys.shape[2]
     kept = max(STREAMING_SINKS + 1, int(budget * length))
     if kept >= length:
@@ -105,7 +107,6 @@ def needle_mass(model, prompts: list[Tensor], needles: list[Tensor], n_queries: 
     """[n_layers, n_kv_heads] attention mass of the last `n_queries` queries on the positions
     `needles[i]` (1-D, the answer's tokens in the context) of `prompts[i]` ([1, T]): averaged over the
     queries, the query heads of each KV head and the prompts."""
-
     total = None
     with torch.inference_mode():
         for ids, positions in tqdm(
@@ -115,13 +116,9 @@ def needle_mass(model, prompts: list[Tensor], needles: list[Tensor], n_queries: 
             model(ids, past_key_values=full, logits_to_keep=1)
             rows = []
             for layer in full.layers:
-                queries, keys = layer.queries.float(), layer.keys.float()
-                group = queries.shape[1] // keys.shape[1]
-                logits = queries @ keys.repeat_interleave(group, 1).transpose(-1, -2) * layer.scaling
-                allowed = causal_allowed(queries.shape[2], keys.shape[2], keys.device)
-                probabilities = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-                mass = probabilities[..., positions.to(keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
-                rows.append(mass.unflatten(0, (keys.shape[1], group)).mean(dim=1))
+                probabilities = head_probabilities(layer.queries, layer.keys, None, layer.scaling)
+                mass = probabilities[..., positions.to(layer.keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
+                rows.append(mass.unflatten(0, (layer.keys.shape[1], -1)).mean(dim=1))
             scores = torch.stack(rows)
             total = scores if total is None else total + scores
     return total / len(prompts)
