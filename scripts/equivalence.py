@@ -2,7 +2,8 @@
 
 A refactor must not change what a job records. This script runs the equivalence set (tiny random
 Llama and Mistral models x every native method x the toy, RULER, NIAH and LongBench-fixture
-benchmarks, plus the embedded SmolLM2 on one RULER sample per task), and writes every record with
+benchmarks, plus the embedded SmolLM2 on one RULER sample per task and on one sample of kvpress's zoo,
+with the presses' prefill shared and with a prefill of their own), and writes every record with
 its measurements of time and memory removed, sorted, to one file. Run it on the old and the new
 code, then compare:
 
@@ -78,6 +79,17 @@ def jobs(quick: bool) -> list[tuple[str, list[str]]]:
                 ],
             )
         )
+        zoo = [
+            "experiment=kvpress_zoo",
+            "logger=none",
+            "warmup=false",
+            "benchmark.n_samples=1",
+            "benchmark.tasks=[niah_single_1]",
+            "benchmark.lengths=[1024]",
+            "benchmark.max_new_tokens=16",
+        ]
+        found.append(("smollm2-zoo-shared", zoo))
+        found.append(("smollm2-zoo-own", [*zoo, "share_prefill=false"]))
     return found
 
 
