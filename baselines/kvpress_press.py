@@ -51,7 +51,7 @@ import re
 import types
 import typing
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,7 +305,8 @@ def seeded_rng(state: list[Tensor] | None = None) -> Iterator[list[Tensor]]:
 
 
 class PressTap:
-    """One press compressing its own fork of a prefill shared with other presses (`PrefillTap`).
+    """One press's run on a prefill shared with other presses (a `centroidkv.plan.PrefillRun` that
+    shares the prefill, i.e. a `centroidkv.decoding.PrefillTap`).
 
     After each attention layer it runs the press's own forward hook on that layer's call, with the
     fork as the cache: the press reads the layer's full keys and values and leaves its compressed
@@ -313,6 +314,8 @@ class PressTap:
     earlier layer's press did to the cache). The press's random numbers come from its own stream, and
     a head-wise masking press's masks (`masked_key_indices`) are kept per layer for its decoding.
     """
+
+    shares_prefill = True
 
     def __init__(self, press, model):
         self.press = press
@@ -334,8 +337,11 @@ class PressTap:
         finally:
             module.masked_key_indices = None  # the next press, and the shared forward, see no mask
 
+    def prefill_hooks(self, model) -> AbstractContextManager:
+        raise RuntimeError("a press tap compresses inside a shared prefill (after_layer), not its own")
+
     @property
-    def masked(self) -> bool:
+    def decodes_alone(self) -> bool:
         return bool(self.masks)
 
     @contextmanager
@@ -350,7 +356,52 @@ class PressTap:
             for module in modules:
                 module.masked_key_indices = None
 
-    def run_fields(self) -> dict[str, Any]:
+    def record_fields(self) -> dict[str, Any]:
+        return {"kv_masked": bool(self.masks)}
+
+
+class OwnPrefillPress:
+    """One press's run with a prefill of its own (a `centroidkv.plan.PrefillRun`): kvpress's own way,
+    its context manager around the whole prefill forward. A `PrefillDecodingPress` stays active while
+    the run decodes (its decoding half compresses then). Always decoded alone."""
+
+    shares_prefill = False
+    decodes_alone = True
+
+    def __init__(self, press):
+        self.press = press
+        self.masked = False  # set when the prefill ends: whether the press masked instead of shrinking
+
+    def after_layer(self, module, kwargs: dict, output, cache) -> None:
+        raise RuntimeError("this press runs with a prefill of its own (prefill_hooks)")
+
+    @contextmanager
+    def prefill_hooks(self, model) -> Iterator[None]:
+        modules = attention_modules(model)
+        for module in modules:
+            module.masked_key_indices = None
+        attn_implementation = model.config._attn_implementation
+        try:
+            with seeded_rng(), self.press(model):
+                yield
+        finally:  # some presses switch the attention for a pass (KVComposePress): never leave it so
+            model.config._attn_implementation = attn_implementation
+        self.masked = any(getattr(m, "masked_key_indices", None) is not None for m in modules)
+
+    @contextmanager
+    def decoding_hooks(self, model) -> Iterator[None]:
+        kvpress = import_kvpress()
+        try:
+            if isinstance(self.press, kvpress.PrefillDecodingPress):
+                with self.press(model):
+                    yield
+            else:
+                yield
+        finally:  # the masks belong to this run's cache: never let them reach the next one
+            for module in attention_modules(model):
+                module.masked_key_indices = None
+
+    def record_fields(self) -> dict[str, Any]:
         return {"kv_masked": self.masked}
 
 
@@ -366,7 +417,7 @@ def ratio_for(budget: float, context_len: int, max_new_tokens: int) -> float:
 class KVPress(Method):
     name = "kvpress"
     label = "kvpress"
-    compresses_in_prefill = True
+    shorthand = "press"  # `kvpress:SnapKVPress` on a command line is press=SnapKVPress
 
     press: str = "SnapKVPress"
     press_params: dict[str, Any] = field(default_factory=dict)
@@ -384,7 +435,6 @@ class KVPress(Method):
                 "(heads=none); native methods take heads=whole|budget"
             )
         build_press(self.press, self.press_params, 0.5)  # every bad name or value fails here, before a run
-        self._masked = False
 
     @classmethod
     def label_for(cls, params: dict[str, Any]) -> str:
@@ -399,49 +449,17 @@ class KVPress(Method):
         return re.sub(r"[^A-Za-z0-9_.+-]+", "-", f"kvpress-{name}").strip("-")
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
-        raise RuntimeError(
-            "kvpress presses compress inside their own prefill forward (prefill_hooks), not here"
-        )
+        raise RuntimeError("kvpress presses compress inside a prefill forward (prefill_run), not here")
 
-    @contextmanager
-    def prefill_hooks(self, model, budget: float, context_len: int, max_new_tokens: int) -> Iterator[None]:
-        kvpress = import_kvpress()
-        self._active = build_press(
-            self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens)
-        )
-        modules = attention_modules(model)
-        for module in modules:
-            module.masked_key_indices = None
-        if isinstance(self._active, kvpress.DecodingPress):  # never here: build_press refuses it
-            yield
-            return
-        attn_implementation = model.config._attn_implementation
-        try:
-            with seeded_rng(), self._active(model):
-                yield
-        finally:  # some presses switch the attention for a pass (KVComposePress): never leave it so
-            model.config._attn_implementation = attn_implementation
-        self._masked = any(getattr(m, "masked_key_indices", None) is not None for m in modules)
-
-    def prefill_tap(self, model, budget: float, context_len: int, max_new_tokens: int) -> PressTap | None:
+    def prefill_run(
+        self, model, budget: float, context_len: int, max_new_tokens: int, share_prefill: bool
+    ) -> PressTap | OwnPrefillPress:
+        """This press's run on one prompt (`centroidkv.plan.PrefillCompressor`): a tap of the shared
+        prefill when it may share it, else a prefill of its own (`OWN_PREFILL`, share_prefill=false)."""
         press = build_press(self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens))
-        return None if own_prefill_reason(press) else PressTap(press, model)
-
-    @contextmanager
-    def decoding_hooks(self, model, budget: float) -> Iterator[None]:
-        kvpress = import_kvpress()
-        try:
-            if isinstance(self._active, kvpress.PrefillDecodingPress):
-                with self._active(model):
-                    yield
-            else:
-                yield
-        finally:  # the masks belong to this run's cache: never let them reach the next one
-            for module in attention_modules(model):
-                module.masked_key_indices = None
-
-    def run_fields(self) -> dict[str, Any]:
-        return {"kv_masked": self._masked}
+        if share_prefill and not own_prefill_reason(press):
+            return PressTap(press, model)
+        return OwnPrefillPress(press)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ def degree_attention(
     group runs its own attention, a query head with the group of its KV head, and each group's records
     (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
-    The argument order is transformers' own (`dropout` before `scaling`): wrappers such as kvpress's
+    The argument order is transformers' own (`dropout` before `scaling`): wrappers from other libraries
     pass them positionally.
     """
     if attention_mask is not None:

@@ -15,6 +15,7 @@ maximum number of new tokens):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 BUDGET_UNITS = ("bytes", "entries")
@@ -25,6 +26,19 @@ RECORD_BYTES = 4  # every per-entry record (log-degree, position, attention sum)
 def budget_entries(ratio: float, prompt_len: int, max_new_tokens: int) -> int:
     """B = R * (n + Gamma): the entries a layer keeps in the paper's accounting."""
     return int(ratio * (prompt_len + max_new_tokens))
+
+
+def check_budget(budget: object) -> float:
+    """The budget R as a float; one ValueError line unless it is a fraction in (0, 1] (checked here for
+    every caller: the cache, `generate`, the run configuration)."""
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or math.isnan(budget)
+        or not 0 < budget <= 1
+    ):
+        raise ValueError(f"budget must be a fraction in (0, 1], got {budget!r}")
+    return float(budget)
 
 
 def check_budget_unit(unit: str) -> None:

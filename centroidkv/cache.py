@@ -46,7 +46,7 @@ step copies one token into the buffer instead of `torch.cat`-ing the whole cache
   - otherwise (the full cache, heads kept whole) a cache's first buffer has room for the
     max_new_tokens it was planned for, and buffers grow geometrically (x2) past that.
 Buffers are never shared: a fork starts from the source's live views and allocates its own buffer on
-its first write, and a tensor replaced from outside (a batch reorder, a kvpress hook) simply drops its
+its first write, and a tensor replaced from outside (a batch reorder, another library's hook) simply drops its
 buffer. Writes go only past a buffer's live length, so a view another cache holds never changes.
 `kv_bytes()` counts the live entries; `kv_capacity_bytes()` counts the buffers.
 `CompressedCache(in_place=False)` restores the old `torch.cat` path (benchmarks compare the two).
@@ -70,6 +70,7 @@ from centroidkv.budget import (
     DEFAULT_BUDGET_UNIT,
     RECORD_BYTES,
     budget_entries,
+    check_budget,
     check_budget_unit,
     check_protected_fit,
     solve_entries,
@@ -520,8 +521,7 @@ class CompressedCache(Cache):
         check_budget_unit(budget_unit)
         if isinstance(method, str):
             method = get_method(method)
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-            raise ValueError(f"budget must be a fraction in (0, 1], got {budget!r}")
+        check_budget(budget)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         super().__init__(layers=[])

@@ -1,8 +1,11 @@
 """Prefill once, then greedy-decode with any number of compressed forks of that prefill, timed.
 
 `prefill` runs the prompt with a full cache (recording what query-aware methods need);
-`generate_from` forks it with a (method, budget), compresses, optionally feeds more tokens with
-compression paused (the question, in the context-only protocol), and decodes greedily.
+`start_fork` forks it with a (method, budget), compresses and optionally feeds more tokens with
+compression paused (the question, in the context-only protocol); `decode_forks` decodes forks
+greedily, alone or as the rows of one batch; `generate_from` is the two for one fork. Which runs
+share which prefill, and how forks are batched, is decided once per prompt by `centroidkv.plan.run`.
+What each run measures is declared in `centroidkv.measurements`.
 TTFT = prefill + the fork's compression + the fed tokens; TPOT = mean time of the decode steps
 after the first (the first step is a warm-up and is excluded when there are more).
 Times come from CUDA events on a GPU and `perf_counter` on a CPU (`centroidkv.timing.Timer`).
@@ -22,9 +25,10 @@ from transformers import PreTrainedModel
 from centroidkv.attention import attention_modules
 from centroidkv.cache import CompressedCache
 from centroidkv.fork_batch import ForkBatch
+from centroidkv.measurements import COMPRESSED, DECODED, FED, RunState, measure
 from centroidkv.methods import Method
 from centroidkv.needs import Need
-from centroidkv.timing import Timer
+from centroidkv.timing import Timer, peak_memory, reset_peak_memory
 
 
 @dataclass
@@ -37,20 +41,19 @@ class Prefill:
 
 @dataclass
 class Generation:
-    tokens: list[list[int]]  # generated ids per batch row (first token included, cut after an eos)
-    ttft_s: float  # prefill + compression + fed tokens
-    tpot_s: float  # mean decode step after the first (nan when there was no step)
-    compress_s: float
-    feed_s: float  # the tokens fed after compression (0 when none)
-    decode_s: float  # all decode steps
-    n_decode_steps: int
-    kv_bytes_compressed: int  # right after compression (and the fed tokens)
-    kv_bytes: int  # at the end of decoding
-    kv_capacity_bytes: int  # at the end of decoding: the buffers behind kv_bytes, headroom included
-    kv_ratio: float  # right after compression: bytes stored / bytes of the full cache of those tokens
-    budget_ratio: float  # right after compression: bytes stored / bytes of a full cache of n + Gamma tokens
-    seq_lengths: list[int]  # entries per layer at the end
-    n_compressions: int
+    """One decoded run: the generated ids per batch row (first token included, cut after an
+    end-of-sequence token), the entries per layer at the end, and every registered measurement
+    (`centroidkv.measurements`) by its record name, also readable as an attribute (`.tpot`)."""
+
+    tokens: list[list[int]]
+    seq_lengths: list[int]
+    measured: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        measured = self.__dict__.get("measured", {})
+        if name in measured:
+            return measured[name]
+        raise AttributeError(f"{type(self).__name__} has no field or measurement {name!r}")
 
 
 class PrefillTap(Protocol):
@@ -85,7 +88,7 @@ def prefill(
 ) -> Prefill:
     """Run the prompt once with a full cache that records `needs` (e.g. `needs_of(methods)`).
 
-    `taps` compress their own forks during this one forward (`PrefillTap`), e.g. one per kvpress
+    `taps` compress their own forks during this one forward (`PrefillTap`), e.g. one per
     press and budget of a job; `Prefill.tapped` holds the results under the same keys. A tap that
     raises is stopped there (its error kept) and the others go on. `Prefill.seconds` excludes the
     taps' compression time, which each `Tapped.seconds` holds.
@@ -140,18 +143,24 @@ def default_eos(model: PreTrainedModel) -> set[int]:
     return set(configured if isinstance(configured, list) else [] if configured is None else [configured])
 
 
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
+    """End-of-sequence ids: the tokenizer's and the model's generation config's, those the model can
+    produce (a tiny test model's vocabulary is smaller than the tokenizer's)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    found = [*(eos if isinstance(eos, list) else [eos]), *default_eos(model)]
+    return {int(e) for e in found if e is not None and e < model.config.vocab_size}
+
+
 @dataclass
 class Fork:
-    """A compressed fork of a prefill with its first token chosen: ready to decode (`decode_forks`)."""
+    """A compressed fork of a prefill with its first token chosen: ready to decode (`decode_forks`).
+    `state` holds its times so far; `measured`, what was measured at compression and after the fed
+    question (`centroidkv.measurements`)."""
 
     cache: CompressedCache
     token: Tensor  # [B, 1], the first generated token (after the prompt, or after the fed question)
-    prefill_s: float
-    compress_s: float
-    feed_s: float
-    kv_bytes_compressed: int  # right after compression (and the fed tokens)
-    kv_ratio: float
-    budget_ratio: float  # right after compression, before the fed tokens
+    state: RunState
+    measured: dict[str, Any]
 
 
 @torch.inference_mode()
@@ -163,16 +172,21 @@ def start_fork(
     max_new_tokens: int,
     question_ids: Tensor | None = None,
     budget_unit: str | None = None,
+    compress_s: float | None = None,
 ) -> Fork:
     """Fork `prefilled` with (method, budget), compress, and feed `question_ids` with compression
     paused; the first token follows the prompt (or the question). Raises now when `max_new_tokens`
-    will need a compression whose budget cannot hold the protected tokens."""
+    will need a compression whose budget cannot hold the protected tokens. `compress_s`: the time of a
+    compression already done inside the prefill (a tap's, `PrefillTap`), recorded instead of this
+    fork's own (then method="full" and budget 1.0: the prefill's cache is compressed already)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     timer = Timer(prefilled.first_token.device)
     with timer.span() as compressing:
         cache = prefilled.cache.fork(method, budget, max_new_tokens, budget_unit=budget_unit)
-    budget_ratio = cache.budget_ratio()  # before the question: what the compression kept
+    compressed_s = compressing.seconds if compress_s is None else compress_s
+    state = RunState(cache, prefill_s=prefilled.seconds, compress_s=compressed_s)
+    measured = measure(COMPRESSED, state)  # before the question: what the compression kept
     token, feed_s = prefilled.first_token, 0.0
     if question_ids is not None and question_ids.shape[1]:
         with timer.span() as feeding, cache.paused():
@@ -180,16 +194,8 @@ def start_fork(
             token = logits[:, -1].argmax(-1, keepdim=True)
         feed_s = feeding.seconds
     cache.check_room(max_new_tokens - 1)  # a budget too small for the protected tokens fails before decoding
-    return Fork(
-        cache,
-        token,
-        prefilled.seconds,
-        compressing.seconds,
-        feed_s,
-        cache.kv_bytes(),
-        cache.kv_ratio(),
-        budget_ratio,
-    )
+    state.feed_s = feed_s
+    return Fork(cache, token, state, {**measured, **measure(FED, state)})
 
 
 @torch.inference_mode()
@@ -204,12 +210,13 @@ def decode_forks(
     One fork decodes alone (its batch rows in lockstep) and its steps are timed. Several forks (one
     row each, of one prefill) run as the rows of one batch (`centroidkv.fork_batch`): one weight pass
     per step for all of them, each row attending to its own fork's cache. Their steps are shared,
-    so a batched fork reports no TPOT or decode time of its own (nan).
+    so a batched fork reports no TPOT, decode time or memory peak of its own (None).
     """
     eos_token_ids = default_eos(model) if eos_token_ids is None else eos_token_ids
     if not forks:
         return []
     device = forks[0].token.device
+    reset_peak_memory(device)  # the peak of decoding (a fork decoded alone reports it), not of the prefill
     timer = Timer(device)
     eos = torch.tensor(sorted(eos_token_ids), device=device, dtype=forks[0].token.dtype)
     together = len(forks) > 1
@@ -236,38 +243,28 @@ def decode_forks(
             tokens[i] = next_tokens[row : row + 1] if together else next_tokens
             generated[i].append(tokens[i])
             step_times[i].append(step.seconds)
+    peak = peak_memory(device) if not together else None
     return [
-        _generation(fork, generated[i], step_times[i], eos_token_ids, timed=not together)
+        _generation(fork, generated[i], step_times[i], eos_token_ids, timed=not together, peak=peak)
         for i, fork in enumerate(forks)
     ]
 
 
 def _generation(
-    fork: Fork, generated: list[Tensor], step_times: list[float], eos_token_ids: set[int], timed: bool
+    fork: Fork,
+    generated: list[Tensor],
+    step_times: list[float],
+    eos_token_ids: set[int],
+    timed: bool,
+    peak: tuple[int, str] | None,
 ) -> Generation:
     rows = fork.token.shape[0]
     ids = torch.cat(generated, dim=1).tolist() if generated else [[] for _ in range(rows)]
     if eos_token_ids:  # cut each row after its first end-of-sequence token
         ids = [row[: next((i + 1 for i, t in enumerate(row) if t in eos_token_ids), len(row))] for row in ids]
-    after_first = step_times[1:] or step_times  # the first step is a warm-up when there are more
-    nan = float("nan")
-    cache = fork.cache
-    return Generation(
-        tokens=ids,
-        ttft_s=fork.prefill_s + fork.compress_s + fork.feed_s,
-        tpot_s=sum(after_first) / len(after_first) if timed and after_first else nan,
-        compress_s=fork.compress_s,
-        feed_s=fork.feed_s,
-        decode_s=sum(step_times) if timed else nan,
-        n_decode_steps=len(step_times),
-        kv_bytes_compressed=fork.kv_bytes_compressed,
-        kv_bytes=cache.kv_bytes(),
-        kv_capacity_bytes=cache.kv_capacity_bytes(),
-        kv_ratio=fork.kv_ratio,
-        budget_ratio=fork.budget_ratio,
-        seq_lengths=cache.seq_lengths(),
-        n_compressions=cache.n_compressions,
-    )
+    state = fork.state
+    state.step_s, state.timed, state.peak = step_times, timed, peak
+    return Generation(ids, fork.cache.seq_lengths(), {**fork.measured, **measure(DECODED, state)})
 
 
 def generate_from(
@@ -289,41 +286,6 @@ def generate_from(
     """
     fork = start_fork(model, prefilled, method, budget, max_new_tokens, question_ids, budget_unit)
     return decode_forks(model, [fork], max_new_tokens, eos_token_ids)[0]
-
-
-def own_prefill(
-    model: PreTrainedModel, method: Method, budget: float, context_ids: Tensor, max_new_tokens: int
-) -> Prefill:
-    """The prefill of a method that compresses inside its own prefill forward (kvpress's presses,
-    `method.compresses_in_prefill`): the context runs with the method's hooks active, so the returned
-    cache is already compressed and the compression time is part of `Prefill.seconds`. Such a method
-    cannot fork a shared prefill; continue with `generate_after_own_prefill`.
-    (The budget's B is the same in both units: a press's cache stores keys and values only.)"""
-    with method.prefill_hooks(model, budget, context_ids.shape[-1], max_new_tokens):
-        return prefill(model, context_ids, max_new_tokens)
-
-
-def generate_after_own_prefill(
-    model: PreTrainedModel,
-    prefilled: Prefill,
-    method: Method,
-    budget: float,
-    max_new_tokens: int,
-    eos_token_ids: set[int] | None = None,
-    question_ids: Tensor | None = None,
-) -> Generation:
-    """Feed the question and decode greedily on the cache `own_prefill` compressed, with the method's
-    decoding hooks active (no fork, no further compression by the cache)."""
-    with method.decoding_hooks(model, budget):
-        return generate_from(
-            model,
-            prefilled,
-            "full",
-            1.0,
-            max_new_tokens,
-            eos_token_ids=eos_token_ids,
-            question_ids=question_ids,
-        )
 
 
 def chat_text(tokenizer, user_message: str, answer_prefix: str = "", use_chat_template: bool = True) -> str:
@@ -370,20 +332,17 @@ def warm_up(
 ) -> float:
     """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
     fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
-    is several times slower than the next ones). Returns the seconds it took. The runner does the
-    same per job (`warmup: true`)."""
+    is several times slower than the next ones), through the per-sample plan (`centroidkv.plan.run`).
+    Returns the seconds it took. The runner does the same per job (`warmup: true`)."""
     from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
+    from centroidkv.plan import Prompt, Run, run
 
     start = time.perf_counter()
     built = [get_method(m) if isinstance(m, str) else m for m in methods]
     device = next(model.parameters()).device
-    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10)[None]
-    shared = [m for m in built if not m.compresses_in_prefill]
-    prefilled = prefill(model, ids, 4, needs=needs_of(shared))
-    for method in built:
-        if method.compresses_in_prefill:
-            own = own_prefill(model, method, 0.5, ids, 4)
-            generate_after_own_prefill(model, own, method, 0.5, 4, eos_token_ids=set())
-        else:
-            generate_from(model, prefilled, method, 0.5, 4, eos_token_ids=set())
+    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
+    prompt = Prompt(ids, [], ids, [])
+    for outcome in run(model, prompt, [Run(m, 0.5) for m in built], 4, eos_token_ids=set(), decode_batch=1):
+        if outcome.error is not None:
+            raise outcome.error
     return time.perf_counter() - start

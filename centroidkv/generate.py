@@ -1,89 +1,79 @@
 """One prompt through several methods: a context and a question in, one answer per method out.
 
     python -m centroidkv.generate --context essay.txt --question "What is the magic number?" \\
-        --methods full,centroidkv,snapkv --budget 0.25
+        --methods "full,centroidkv,snapkv(window_size=16)" --budget 0.25
 
-The prompt goes through the model's chat template and is prefilled once, recording what every
-method needs (`needs_of`); each method then compresses a fork of that prefill to the budget and
-decodes greedily (`centroidkv.decoding`). A method that compresses inside its own prefill (a kvpress
-press, `kvpress:<PressClass>`) gets a prefill of its own and always runs context-only. Each method
-prints one block: the answer, the KV ratio measured, the entries per layer and the times (after an
-untimed `warm_up`, so the first compression of the process is not counted several times slower).
-The same from Python: `generate(model, tokenizer, context, question, methods, budget)`.
+The prompt goes through the model's chat template and every method runs through one per-prompt plan
+(`centroidkv.plan.run`): the native methods fork one shared prefill, each compressing its fork to
+the budget, and decode greedily one at a time (so each has its own TPOT). Every method of one call
+runs the same protocol, named in the output's first line: with --context and --question, the
+context is compressed and the question fed afterwards (context-only); with
+--prompt, the whole prompt is compressed (full-prompt), and a method that can only compress a
+context is refused for that call with one line. Each method prints its block as soon as it is
+done: the answer, the KV measured, the entries per layer and the times (after an untimed
+`warm_up`, so the first compression of the process is not counted several times slower); a method
+that cannot run prints one line and the others go on. Method parameters are set in the method's
+name: `centroidkv(n_recent=32)`, or `name:value` for a method's shorthand parameter
+(`centroidkv.methods.parse_method`). The same from Python: `generate(model, tokenizer, context,
+question, methods, budget)`.
 
-Every bad input (an unknown method, a missing file, a budget outside (0, 1], a prompt and
---max-new-tokens beyond the model's positions) is one line on stderr and exit status 2, before the
-model loads (`--truncate` cuts the middle of a context that is too long instead, as LongBench does).
-A model that cannot be loaded (the Hub unreachable, a gated model) is one line and exit status 1.
+Every bad input (an unknown method or parameter, a missing file, a budget outside (0, 1], a prompt
+and --max-new-tokens beyond the model's positions) is one line on stderr and exit status 2, before
+the model loads (`--truncate` cuts the middle of a context that is too long instead, as LongBench
+does). A model that cannot be loaded (the Hub unreachable, a gated model) is one line and status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 import centroidkv.models as models  # used as models.<name>, so that tests can stand in for the loaders
-from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget_unit
-from centroidkv.decoding import (
-    chat_prompt_ids,
-    default_eos,
-    generate_after_own_prefill,
-    generate_from,
-    needs_of,
-    own_prefill,
-    prefill,
-    warm_up,
-)
+from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
+from centroidkv.decoding import chat_prompt_ids, eos_token_ids, warm_up
 from centroidkv.errors import first_line
-from centroidkv.methods import Method, get_method
+from centroidkv.methods import Method, method_names, parse_method, split_top_level
 from centroidkv.model_names import EMBEDDED_MODEL
-
-PROTOCOLS = ("full_prompt", "context_only")
-KVPRESS_PREFIX = "kvpress:"  # kvpress:SnapKVPress is get_method("kvpress", press="SnapKVPress")
+from centroidkv.plan import (
+    CONTEXT_ONLY,
+    FULL_PROMPT,
+    PROTOCOLS,
+    Outcome,
+    Prompt,
+    Run,
+    compresses_in_prefill,
+    run,
+)
 
 
 @dataclass
 class Answer:
-    """One method's answer to the prompt, with what it kept and how long it took."""
+    """One method's answer to the prompt, with what it kept and how long it took; or its error."""
 
-    method: str  # as asked for, e.g. "snapkv" or "kvpress:SnapKVPress"
+    method: str  # as asked for, e.g. "snapkv" or "centroidkv(n_recent=32)"
     label: str  # its display label (tables and figures use the same)
-    text: str
-    n_generated: int
-    protocol: str  # full_prompt or context_only (a press always runs context-only)
-    kv_ratio: float  # bytes stored / bytes of a full cache of the same tokens, right after compression
-    budget_ratio: float  # bytes stored / bytes of a full cache of prompt + max_new_tokens (R in bytes)
-    kv_bytes: int  # right after compression
-    min_entries: int  # entries per layer at the end of decoding, smallest layer
-    max_entries: int  # ... largest layer
-    ttft_s: float  # prefill + compression (+ the question fed after it)
-    tpot_s: float | None  # mean decode step after the first; None when there was none
-    prefill_s: float  # the shared prefill (a press: its own, compression included)
-    compress_s: float
-
-
-def parse_method(spec: str) -> Method:
-    """A method from its command-line name: a registered name, or `kvpress:<PressClass>`."""
-    spec = spec.strip()
-    if spec.startswith(KVPRESS_PREFIX):
-        return get_method("kvpress", press=spec.removeprefix(KVPRESS_PREFIX))
-    return get_method(spec)
-
-
-def check_budget(budget: float) -> float:
-    """The budget R as a float; ValueError (one line) unless it is a fraction in (0, 1]."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
-        raise ValueError(f"budget must be a fraction in (0, 1], got {budget!r}")
-    if not 0 < budget <= 1:
-        raise ValueError(f"budget must be a fraction in (0, 1], got {budget!r}")
-    return float(budget)
+    protocol: str  # full_prompt or context_only: the call's
+    compresses: bool  # False for the full cache (no budget applies)
+    error: str | None = None  # one line when the method could not run; every field below is then empty
+    text: str = ""
+    n_generated: int = 0
+    kv_ratio: float | None = None  # bytes stored / bytes of a full cache of the same tokens
+    budget_ratio: float | None = (
+        None  # bytes stored after compression / a full cache of prompt + max_new_tokens
+    )
+    kv_bytes: int | None = None  # what decoding started from
+    min_entries: int = 0  # entries per layer at the end of decoding, smallest layer
+    max_entries: int = 0  # ... largest layer
+    ttft_s: float | None = None  # prefill + compression (+ the question fed after it)
+    tpot_s: float | None = None  # mean decode step after the first; None when there was none
+    prefill_s: float | None = (
+        None  # the shared prefill (a method compressing in its own: compression included)
+    )
+    compress_s: float | None = None
 
 
 def prompt_length(tokenizer, context: str, question: str, protocol: str) -> int:
@@ -128,13 +118,6 @@ def truncate_context(
     raise ValueError(f"the context could not be cut to fit the model's {positions} positions")
 
 
-def eos_ids(model, tokenizer) -> set[int]:
-    """End-of-sequence ids: the tokenizer's and the model's generation config's."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    found = [*(eos if isinstance(eos, list) else [eos]), *default_eos(model)]
-    return {int(e) for e in found if e is not None}
-
-
 def generate(
     model,
     tokenizer,
@@ -143,104 +126,131 @@ def generate(
     methods: Sequence[str | Method] = ("full", "centroidkv"),
     budget: float = 0.25,
     max_new_tokens: int = 64,
-    protocol: str = "full_prompt",
+    protocol: str | None = None,
     budget_unit: str = DEFAULT_BUDGET_UNIT,
     warm: bool = True,
+    on_answer: Callable[[Answer], None] | None = None,
 ) -> list[Answer]:
-    """Answer `question` about `context` with each of `methods` at `budget`, from one shared prefill.
+    """Answer `question` about `context` with each of `methods` at `budget`, one `Answer` each.
 
     The user's turn is the context, a blank line and the question (just the context when the
-    question is empty). `protocol`: "full_prompt" compresses the whole prompt, "context_only" only
-    the context and feeds the question afterwards (kvpress's protocol; presses always use it).
-    `warm`: first run `warm_up` with the methods, so that a process's one-time costs (the first
-    compression is several times slower) stay out of the times.
+    question is empty). `protocol` (every method runs it): "context_only" compresses the context and
+    feeds the question afterwards (the default with a question), "full_prompt"
+    compresses the whole prompt (the default without one); under it a method that compresses inside
+    its prefill (`centroidkv.plan.PrefillCompressor`) cannot run and answers with its error. `warm`: first `warm_up`, so
+    that a process's one-time costs stay out of the times. `on_answer` is called with each answer as
+    soon as it is done. A method that fails answers with its error (one line); the others go on.
     Raises ValueError (one line) for a bad method, budget, unit or protocol, for a prompt and
     `max_new_tokens` beyond the model's positions (`max_position_embeddings`), or for a head policy
     on a model not calibrated yet (`python -m eval.calibrate`); all before any prefill.
     """
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
+    protocol = protocol or (CONTEXT_ONLY if question else FULL_PROMPT)
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    named = [
-        (m if isinstance(m, str) else m.name, parse_method(m) if isinstance(m, str) else m) for m in methods
-    ]
+    named = [(m, parse_method(m)) if isinstance(m, str) else (m.name, m) for m in methods]
     message = f"{context}\n\n{question}" if question else context
-    device = next(model.parameters()).device
-
-    def ids(tokens: list[int]) -> torch.Tensor | None:
-        return torch.tensor([tokens], device=device) if tokens else None
-
-    head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
-    own_head, own_tail = chat_prompt_ids(tokenizer, message, question, context_only=True)
+    head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == CONTEXT_ONLY)
+    context_ids, question_ids = chat_prompt_ids(tokenizer, message, question, context_only=True)
     positions = getattr(model.config, "max_position_embeddings", None)
     check_fits(len(head) + len(tail), max_new_tokens, positions, "the model")
-    eos = eos_ids(model, tokenizer)
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
         method.listed_heads(model)
-    if warm:
-        warm_up(model, [method for _, method in named])
-    shared = [method for _, method in named if not method.compresses_in_prefill]
-    prefilled = prefill(model, ids(head), max_new_tokens, needs=needs_of(shared)) if shared else None
-    answers = []
-    for asked, method in named:
-        if method.compresses_in_prefill:
-            own = own_prefill(model, method, budget, ids(own_head), max_new_tokens)
-            result = generate_after_own_prefill(
-                model, own, method, budget, max_new_tokens, eos_token_ids=eos, question_ids=ids(own_tail)
-            )
-            prefill_s, run_protocol = own.seconds, "context_only"
-        else:
-            result = generate_from(
-                model,
-                prefilled,
+    answers: dict[int, Answer] = {}
+    runnable = []
+    for i, (asked, method) in enumerate(named):
+        if protocol == FULL_PROMPT and compresses_in_prefill(method):
+            answers[i] = _answer(
+                asked,
                 method,
-                budget,
-                max_new_tokens,
-                eos_token_ids=eos,
-                question_ids=ids(tail),
-                budget_unit=budget_unit,
+                protocol,
+                error=(
+                    f"{asked} compresses a context inside its prefill and cannot compress a whole prompt: "
+                    "give --context and --question (the context-only protocol)"
+                ),
             )
-            prefill_s, run_protocol = prefilled.seconds, protocol
-        tokens = result.tokens[0]
-        if tokens and tokens[-1] in eos:
-            tokens = tokens[:-1]
-        answers.append(
-            Answer(
-                method=asked,
-                label=method.label_for(method.params()),
-                text=tokenizer.decode(tokens, skip_special_tokens=True).strip(),
-                n_generated=len(tokens),
-                protocol=run_protocol,
-                kv_ratio=result.kv_ratio,
-                budget_ratio=result.budget_ratio,
-                kv_bytes=result.kv_bytes_compressed,
-                min_entries=min(result.seq_lengths, default=0),
-                max_entries=max(result.seq_lengths, default=0),
-                ttft_s=result.ttft_s,
-                tpot_s=None if math.isnan(result.tpot_s) else result.tpot_s,
-                prefill_s=prefill_s,
-                compress_s=result.compress_s,
-            )
-        )
-    return answers
+            if on_answer:
+                on_answer(answers[i])
+        else:
+            runnable.append(i)
+    if warm and runnable:
+        warm_up(model, [named[i][1] for i in runnable])
+    prompt = Prompt(head, tail, context_ids, question_ids, protocol)
+    eos = eos_token_ids(model, tokenizer)
+
+    def done(k: int, outcome: Outcome) -> None:
+        i = runnable[k]
+        answers[i] = _outcome_answer(named[i][0], named[i][1], outcome, tokenizer)
+        if on_answer:
+            on_answer(answers[i])
+
+    runs = [Run(named[i][1], budget if named[i][1].compresses else 1.0) for i in runnable]
+    run(model, prompt, runs, max_new_tokens, eos, budget_unit, decode_batch=1, on_outcome=done)
+    return [answers[i] for i in range(len(named))]
 
 
-def format_answer(answer: Answer, budget: float, budget_unit: str) -> str:
+def _answer(asked: str, method: Method, protocol: str, **fields) -> Answer:
+    return Answer(asked, method.label_for(method.params()), protocol, method.compresses, **fields)
+
+
+def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer) -> Answer:
+    generation = outcome.generation
+    if generation is None:
+        error = outcome.error or RuntimeError("not decoded")
+        return _answer(asked, method, outcome.protocol, error=first_line(error))
+    measured = generation.measured
+    return _answer(
+        asked,
+        method,
+        outcome.protocol,
+        text=tokenizer.decode(outcome.answer_ids, skip_special_tokens=True).strip(),
+        n_generated=len(outcome.answer_ids),
+        kv_ratio=measured["kv_ratio"],
+        budget_ratio=measured["kv_budget_ratio"],
+        kv_bytes=measured["kv_bytes"],
+        min_entries=min(generation.seq_lengths, default=0),
+        max_entries=max(generation.seq_lengths, default=0),
+        ttft_s=measured["ttft"],
+        tpot_s=measured["tpot"],
+        prefill_s=measured["prefill_s"],
+        compress_s=measured["compress_s"],
+    )
+
+
+def protocol_line(protocol: str, budget: float, budget_unit: str) -> str:
+    """The output's first line: what every method of the call did."""
+    what = (
+        "the context is compressed, then the question is fed"
+        if protocol == CONTEXT_ONLY
+        else "the whole prompt is compressed"
+    )
+    return f"protocol: {protocol} ({what}); budget {budget:g} in {budget_unit}"
+
+
+def format_answer(answer: Answer) -> str:
     """One method's block of the command's output."""
+    title = f"== {answer.method} ({answer.label})"
+    if answer.error is not None:
+        return f"{title}: cannot run: {answer.error}"
     tpot = "-" if answer.tpot_s is None else f"{answer.tpot_s * 1000:.0f} ms"
     entries = (
         f"{answer.min_entries}"
         if answer.min_entries == answer.max_entries
         else f"{answer.min_entries}-{answer.max_entries}"
     )
+    mib = f"{answer.kv_bytes / 2**20:.1f} MiB"
+    kv = (
+        f"kv: {answer.budget_ratio:.3f} of the budget's full cache (prompt + max new tokens), "
+        f"{answer.kv_ratio:.3f} of a full cache of the same tokens, {mib}"
+        if answer.compresses
+        else f"kv: the full cache (no budget), {mib}"
+    )
     return "\n".join(
         [
-            f"== {answer.method} ({answer.label}), budget {budget:g} in {budget_unit}, {answer.protocol}",
+            title,
             f"answer: {answer.text}",
-            f"kv: {answer.budget_ratio:.3f} of the budget's full cache (prompt + max new tokens), "
-            f"{answer.kv_ratio:.3f} of a full cache of the same tokens, {answer.kv_bytes / 2**20:.1f} MiB; "
-            f"entries per layer: {entries}",
+            f"{kv}; entries per layer: {entries}",
             f"time: ttft {answer.ttft_s:.2f} s (prefill {answer.prefill_s:.2f} s, compression "
             f"{answer.compress_s:.2f} s), tpot {tpot}, {answer.n_generated} tokens",
         ]
@@ -261,6 +271,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m centroidkv.generate",
         description="Put one prompt through several KV-cache compression methods from one prefill.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"methods: {', '.join(method_names())}",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--context", help="the context: a file, or - for stdin")
@@ -269,20 +281,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         default="full,centroidkv",
-        help="comma-separated method names (method_names()), or kvpress:<PressClass>",
+        help="comma-separated methods (listed below); parameters in parentheses, "
+        "e.g. 'centroidkv(n_recent=32),snapkv'; name:value sets a method's shorthand parameter",
     )
     parser.add_argument("--budget", type=float, default=0.25, help="R, a fraction in (0, 1]")
     parser.add_argument("--budget-unit", choices=BUDGET_UNITS, default=DEFAULT_BUDGET_UNIT)
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="full_prompt")
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default=None,
+        help="default: context_only with --context and --question, full_prompt otherwise",
+    )
     parser.add_argument(
         "--truncate",
         action="store_true",
         help="cut the middle of a context too long for the model's positions (as LongBench does)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per method, one per line")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.protocol is None:
+        args.protocol = CONTEXT_ONLY if args.context is not None and args.question else FULL_PROMPT
+    return args
 
 
 def fitted_context(args: argparse.Namespace, tokenizer, context: str, question: str, positions: int) -> str:
@@ -303,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every input is checked before the model loads
         if models.parse_model_name(args.model)[0] in models.RANDOM_MODELS:
             raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
         if not methods:
             raise ValueError("--methods: give at least one method")
         for method in methods:
@@ -338,11 +359,22 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # the Hub unreachable, gated, ...
         print(f"error: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
         return 1
+
+    def show(answer: Answer) -> None:  # each method's block as soon as it is done
+        if args.json:
+            print(
+                json.dumps({**asdict(answer), "budget": budget, "budget_unit": args.budget_unit}), flush=True
+            )
+        else:
+            print(format_answer(answer) + "\n", flush=True)
+
     try:
         if positions is None:  # a hub model whose config was not cached: its positions are known now
             positions = getattr(model.config, "max_position_embeddings", None)
             if positions is not None:
                 context = fitted_context(args, tokenizer, context, question, positions)
+        if not args.json:
+            print(protocol_line(args.protocol, budget, args.budget_unit) + "\n", flush=True)
         answers = generate(
             model,
             tokenizer,
@@ -353,16 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             protocol=args.protocol,
             budget_unit=args.budget_unit,
+            on_answer=show,
         )
-    except ValueError as error:  # e.g. a budget too small for the method's protected tokens
+    except ValueError as error:  # e.g. a head policy on a model that was never calibrated
         print(f"error: {first_line(error)}", file=sys.stderr)
         return 2
-    for answer in answers:
-        if args.json:
-            print(json.dumps({**asdict(answer), "budget": budget, "budget_unit": args.budget_unit}))
-        else:
-            print(format_answer(answer, budget, args.budget_unit) + "\n")
-    return 0
+    return 0 if any(answer.error is None for answer in answers) else 1
 
 
 if __name__ == "__main__":

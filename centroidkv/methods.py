@@ -18,13 +18,14 @@ it in your own package with, in its pyproject.toml,
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import math
 import pkgutil
+import re
 import sys
 import warnings
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "method_label",
     "method_names",
     "method_variant",
+    "parse_method",
     "register",
 ]
 
@@ -80,11 +82,8 @@ class Method:
     label: ClassVar[str] = ""  # display name in tables and figures; defaults to `name`
     compresses: ClassVar[bool] = True  # False for the full cache
     merges: ClassVar[bool] = False  # True when log_degree changes (CentroidKV, K-Means, CaM)
-    # True: the method compresses inside its own prefill forward (kvpress's presses), so it cannot
-    # fork the runner's shared prefill. The runner then prefills the context for it alone with
-    # `prefill_hooks` active, feeds the question afterwards (the context-only protocol) and decodes
-    # with `decoding_hooks` active; `compress` is not used.
-    compresses_in_prefill: ClassVar[bool] = False
+    # The parameter that a command line's `name:value` sets (`parse_method`), e.g. a wrapper's target.
+    shorthand: ClassVar[str | None] = None
 
     n_sink: int = 16
     n_recent: int = 64
@@ -218,27 +217,6 @@ class Method:
 
     def params(self) -> dict:
         return dataclasses.asdict(self)
-
-    def prefill_hooks(
-        self, model: Any, budget: float, context_len: int, max_new_tokens: int
-    ) -> AbstractContextManager:
-        """Active during the prefill forward (of `context_len` tokens) of a `compresses_in_prefill`
-        method; the budget means what it means for every method, R * (context_len + max_new_tokens)."""
-        return nullcontext()
-
-    def prefill_tap(self, model: Any, budget: float, context_len: int, max_new_tokens: int) -> Any | None:
-        """For a `compresses_in_prefill` method: a `centroidkv.decoding.PrefillTap` that compresses this
-        method's own fork during a prefill shared with other methods (one forward serves them all), or
-        None when the method needs a prefill of its own. Its decoding hooks then come from the tap."""
-        return None
-
-    def decoding_hooks(self, model: Any, budget: float) -> AbstractContextManager:
-        """Active while the question is fed and the answer decoded, after `prefill_hooks`."""
-        return nullcontext()
-
-    def run_fields(self) -> dict[str, Any]:
-        """Fields this method adds to the record of its latest run (e.g. whether memory was saved)."""
-        return {}
 
 
 def check_int(method: Method, field: str, minimum: int) -> None:
@@ -380,3 +358,53 @@ def get_method(name: str, **params) -> Method:
             f"{name}: unknown parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
     return cls(**params)
+
+
+def parse_method(spec: str) -> Method:
+    """A method from its command-line form: `name`, `name:value` (the class's `shorthand` parameter,
+    e.g. a wrapper's target) or `name(key=value, ...)` with Python literals or bare words as values,
+    e.g. `centroidkv(n_recent=32, heads=none)`. ValueError (one line) for anything else."""
+    spec = spec.strip()
+    match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(.+)|\((.*)\))?", spec, flags=re.S)
+    if match is None:
+        raise ValueError(f"method {spec!r}: write name, name:value or name(key=value, ...)")
+    name, short, arguments = match.groups()
+    params: dict[str, Any] = {}
+    if short is not None:
+        field_name = method_class(name).shorthand
+        if field_name is None:
+            raise ValueError(f"method {spec!r}: {name} takes no name:value form; write {name}(key=value, ...)")
+        params[field_name] = short.strip()
+    for item in split_top_level(arguments or ""):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip().isidentifier():
+            raise ValueError(f"method {spec!r}: {item.strip()!r} is not key=value")
+        params[key.strip()] = _literal(value.strip())
+    return get_method(name, **params)
+
+
+def split_top_level(text: str) -> list[str]:
+    """`a=1, b=[2, 3]` split at its top-level commas."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        if char in "[{(":
+            depth += 1
+        elif char in "]})":
+            depth -= 1
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+            continue
+        current += char
+    return [item for item in [*items, current] if item.strip()]
+
+
+def _literal(text: str) -> Any:
+    """A Python literal (1, 0.5, True, "x", [1, 2]); true/false/none as YAML writes them; else the text."""
+    lowered = {"true": True, "false": False, "none": None, "null": None}
+    if text.lower() in lowered:
+        return lowered[text.lower()]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

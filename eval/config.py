@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +19,12 @@ from centroidkv.budget import (
     BUDGET_UNITS,
     DEFAULT_BUDGET_UNIT,
     budget_entries,
+    check_budget,
     check_protected_fit,
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
+from centroidkv.plan import DEFAULT_DECODE_BATCH
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
 
@@ -99,7 +100,6 @@ class LoggerConfig:
     mode: str = "auto"  # auto: online when W&B is configured, offline otherwise
 
 
-DEFAULT_DECODE_BATCH = 32  # forks decoded together at most (every fork of a batch is alive at once)
 
 
 @dataclass(frozen=True)
@@ -306,15 +306,11 @@ def _method_entry(
 
 
 def _check_budget(value: Any, where: str, errors: list[str]) -> float | None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 < value <= 1
-        or math.isnan(value)
-    ):
-        errors.append(f"{where}: budget must be a fraction in (0, 1], got {value!r}")
+    try:
+        return check_budget(value)
+    except ValueError as error:
+        errors.append(f"{where}: {error}")
         return None
-    return float(value)
 
 
 def _as_list(value: Any) -> list:

@@ -104,7 +104,7 @@ def generate_tpot(model, ids: torch.Tensor, new_tokens: int) -> float:
 
 def decode_table(args: argparse.Namespace) -> None:
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import generate_from, prefill
+    from centroidkv.decoding import decode_forks, prefill, start_fork
 
     model, tokenizer = load_model(args.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -131,21 +131,25 @@ def decode_table(args: argparse.Namespace) -> None:
         for name, budget in [("full", 1.0)] + [("centroidkv", b) for b in args.budgets]:
             for in_place in (False, True):
                 prefilled.cache.in_place = in_place  # forks decode the way their source says
-                result = generate_from(
-                    model, prefilled, get_method(name), budget, args.new_tokens, eos_token_ids=set()
-                )
+                fork = start_fork(model, prefilled, get_method(name), budget, args.new_tokens)
+                result = decode_forks(model, [fork], args.new_tokens, eos_token_ids=set())[0]
+                capacity = (
+                    fork.cache.kv_capacity_bytes()
+                )  # the buffers behind kv_bytes_final, headroom included
                 if name == "full":
-                    full_tpot[in_place] = result.tpot_s
+                    full_tpot[in_place] = result.tpot
                     # the full cache's size over the whole run, to compare with R * (n + Gamma)
                     full_kv = (
-                        result.kv_bytes * (length + args.new_tokens) / (length + len(result.tokens[0]) - 1)
+                        result.kv_bytes_final
+                        * (length + args.new_tokens)
+                        / (length + len(result.tokens[0]) - 1)
                     )
                 limit = (weight_bytes + budget * full_kv) / (weight_bytes + full_kv)
                 print(
                     f"| {length} | {name} | {budget:g} | {'in place' if in_place else 'concat'} | "
-                    f"{result.ttft_s:.2f} | {result.compress_s:.3f} | {result.tpot_s * 1e3:.1f} | "
-                    f"{result.kv_bytes / 2**20:.1f} | {result.kv_capacity_bytes / 2**20:.1f} | "
-                    f"{result.tpot_s / full_tpot[in_place]:.3f} | {limit:.3f} | |",
+                    f"{result.ttft:.2f} | {result.compress_s:.3f} | {result.tpot * 1e3:.1f} | "
+                    f"{result.kv_bytes_final / 2**20:.1f} | {capacity / 2**20:.1f} | "
+                    f"{result.tpot / full_tpot[in_place]:.3f} | {limit:.3f} | |",
                     flush=True,
                 )
         reference = generate_tpot(model, ids, args.new_tokens)

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             tpot = statistics.median(steps[1:] or steps) * 1e3 if steps else float("nan")
             line = (
                 f"  {method.label:<12} {'found ' if found else 'MISSED'}  "
-                f"KV {result.kv_bytes_compressed / 2**20:5.1f} MiB (ratio {result.kv_ratio:.3f})  "
+                f"KV {result.kv_bytes / 2**20:5.1f} MiB (ratio {result.kv_ratio:.3f})  "
                 f"TPOT {tpot:4.0f} ms over {len(steps)} steps"
             )
             if method.merges:  # the same compression generate_from ran, to look at its degrees

@@ -17,12 +17,13 @@ import torch
 
 from centroidkv import CompressedCache, get_method, load_model, method_names
 from centroidkv.methods import method_class
+from centroidkv.plan import compresses_in_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Methods that compress the cache they are given (kvpress's presses compress inside their own prefill
 # forward instead: tests/test_kvpress_methods.py).
-METHODS = [name for name in method_names() if not method_class(name).compresses_in_prefill]
+METHODS = [name for name in method_names() if not compresses_in_prefill(method_class(name))]
 MODELS = ("tiny-llama", "tiny-mistral")
 PROMPT_LEN, NEW_TOKENS, BUDGET = 300, 200, 0.5
 

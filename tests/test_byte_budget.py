@@ -91,7 +91,8 @@ def test_a_shrinking_press_stores_r_times_the_full_cache(embedded, prompt, budge
     pytest.importorskip("kvpress")
     model, _ = embedded
     method = get_method("kvpress", press="SnapKVPress")
-    with method.prefill_hooks(model, budget, prompt.shape[1], MAX_NEW):
+    press_run = method.prefill_run(model, budget, prompt.shape[1], MAX_NEW, share_prefill=False)
+    with press_run.prefill_hooks(model):
         prefilled = prefill(model, prompt, MAX_NEW)
     assert prefilled.cache.budget_ratio() == pytest.approx(budget, rel=0.01)
 

@@ -67,15 +67,15 @@ def cross_check(model, tokenizer, name: str, length: int) -> None:
     assert ours["protocol"] == theirs["protocol"] == "context_only" and theirs["kv_masked"] is False
 
     # The kept positions, through the same calls the runner makes.
-    from eval.samples import encode_prompt
-
-    head, _ = encode_prompt(sample, tokenizer, True)
+    head = evaluator.prompt(sample).context  # folded into a tiny model's vocabulary
     max_new = sample["max_new_tokens"]
-    shared = evaluator.prefill(head, max_new, [native])
-    forked = shared.cache.fork(evaluator.methods[native], BUDGET, max_new)
-    method = evaluator.methods[press]
-    with method.prefill_hooks(model, BUDGET, len(head), max_new):
-        pressed = prefill(model, evaluator.ids(head), max_new)
+    ids = torch.tensor([head])
+    native_method = evaluator.methods[native]
+    shared = prefill(model, ids, max_new, needs=native_method.needs())
+    forked = shared.cache.fork(native_method, BUDGET, max_new)
+    press_run = evaluator.methods[press].prefill_run(model, BUDGET, len(head), max_new, share_prefill=False)
+    with press_run.prefill_hooks(model):
+        pressed = prefill(model, ids, max_new)
     for layer, (a, b, full) in enumerate(
         zip(forked.layers, pressed.cache.layers, shared.cache.layers, strict=True)
     ):

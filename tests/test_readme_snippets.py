@@ -15,6 +15,7 @@ import torch
 
 from centroidkv import get_method, method_names
 from centroidkv.decoding import generate_from, needs_of, prefill
+from centroidkv.plan import compresses_in_prefill
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SECTION = "## Using it from Python"
@@ -37,7 +38,7 @@ def swap_line(code: str, pattern: str, replacement: str) -> str:
 
 
 def native_methods() -> list[str]:
-    return [name for name in method_names() if not get_method(name).compresses_in_prefill]
+    return [name for name in method_names() if not compresses_in_prefill(get_method(name))]
 
 
 def short_prompt() -> str:

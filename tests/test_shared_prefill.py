@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from centroidkv import get_method, load_model
-from centroidkv.decoding import Prefill, decode_forks, needs_of, own_prefill, prefill, start_fork
+from centroidkv.decoding import Prefill, decode_forks, needs_of, prefill, start_fork
 from eval.benchmarks.toy import Toy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,13 +41,26 @@ def zoo_presses() -> list[dict]:
     ]
 
 
+def tap_of(method, model, ids: torch.Tensor, max_new: int):
+    """The press's run on a shared prefill, or None when it needs a prefill of its own."""
+    run = method.prefill_run(model, BUDGET, ids.shape[1], max_new, share_prefill=True)
+    return run if run.shares_prefill else None
+
+
+def own_prefill(model, method, ids: torch.Tensor, max_new: int):
+    """The press's run with a prefill of its own, and that prefill (its cache compressed)."""
+    run = method.prefill_run(model, BUDGET, ids.shape[1], max_new, share_prefill=False)
+    with run.prefill_hooks(model):
+        return run, prefill(model, ids, max_new)
+
+
 def own_and_shared(model, params_list: list[dict], ids: torch.Tensor, max_new: int):
     """For each press: the cache of its own prefill, and the fork it compressed in one shared prefill."""
     methods = [get_method("kvpress", **params) for params in params_list]
-    taps = {i: m.prefill_tap(model, BUDGET, ids.shape[1], max_new) for i, m in enumerate(methods)}
+    taps = {i: tap_of(m, model, ids, max_new) for i, m in enumerate(methods)}
     shared = prefill(model, ids, max_new, taps={i: tap for i, tap in taps.items() if tap is not None})
     own = [
-        own_prefill(model, method, BUDGET, ids, max_new) if taps[i] is not None else None
+        own_prefill(model, method, ids, max_new) if taps[i] is not None else None
         for i, method in enumerate(methods)
     ]
     return methods, taps, shared, own
@@ -83,8 +96,9 @@ def test_every_zoo_press_keeps_the_same_entries_from_a_shared_prefill():
             continue
         tapped = shared.tapped[i]
         assert tapped.error is None, f"{name}: {tapped.error!r}"
-        assert_same_layers(own[i].cache, tapped.cache, name)
-        assert taps[i].masked == methods[i]._masked, name  # masks: test_masking_presses_keep_the_same_masks
+        own_run, own_prefilled = own[i]
+        assert_same_layers(own_prefilled.cache, tapped.cache, name)
+        assert taps[i].record_fields() == own_run.record_fields(), name  # masks: the test below
     # the shared prefill's own cache is untouched by the taps: it equals a plain prefill's
     plain = prefill(model, ids, 8)
     assert_same_layers(plain.cache, shared.cache, "the shared cache")
@@ -105,12 +119,11 @@ def test_masking_presses_keep_the_same_masks():
         {"press": "CriticalAdaKVPress", "press_params": {"press": "SnapKVPress"}},
     ):
         method = get_method("kvpress", **params)
-        tap = method.prefill_tap(model, BUDGET, ids.shape[1], 8)
+        tap = tap_of(method, model, ids, 8)
         prefill(model, ids, 8, taps={"press": tap})
-        with method.prefill_hooks(model, BUDGET, ids.shape[1], 8):
-            prefill(model, ids, 8)
-            own_masks = {m.layer_idx: m.masked_key_indices for m in _attention(model)}
-        assert tap.masked and set(tap.masks) == set(own_masks), params["press"]
+        own_prefill(model, method, ids, 8)
+        own_masks = {m.layer_idx: m.masked_key_indices for m in _attention(model)}
+        assert tap.decodes_alone and set(tap.masks) == set(own_masks), params["press"]
         for layer, mask in own_masks.items():
             assert all(torch.equal(a, b) for a, b in zip(mask, tap.masks[layer], strict=True)), layer
         for module in _attention(model):
@@ -139,10 +152,11 @@ def test_embedded_model_shared_prefill_equals_own(embedded):
     params_list = [{"press": press} for press in EMBEDDED_PRESSES]
     _, _, shared, own = own_and_shared(model, params_list, ids, 8)
     for i, press in enumerate(EMBEDDED_PRESSES):
-        assert_same_layers(own[i].cache, shared.tapped[i].cache, press)
+        own_prefilled = own[i][1]
+        assert_same_layers(own_prefilled.cache, shared.tapped[i].cache, press)
         answers = [
             decode_forks(model, [start_fork(model, source, "full", 1.0, 8, question)], 8)[0].tokens
-            for source in (own[i], Prefill(shared.tapped[i].cache, shared.first_token, 0.0))
+            for source in (own_prefilled, Prefill(shared.tapped[i].cache, shared.first_token, 0.0))
         ]
         assert answers[0] == answers[1], press
 
@@ -209,4 +223,4 @@ def test_forks_decoded_together_give_the_tokens_they_give_alone():
             a.tokens == b.tokens and a.n_compressions == b.n_compressions and a.seq_lengths == b.seq_lengths
         )
     assert any(g.n_compressions > 1 for g in together), "re-compressions happen while decoding together"
-    assert all(g.tpot_s == g.tpot_s for g in alone) and all(g.tpot_s != g.tpot_s for g in together)  # nan
+    assert all(g.tpot is not None for g in alone) and all(g.tpot is None for g in together)
