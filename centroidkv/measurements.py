@@ -14,7 +14,6 @@ iterate this registry. So a new per-record measurement is one `register_measurem
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,13 +87,9 @@ def _tpot(run: RunState) -> float | None:
     return sum(after_first) / len(after_first) if run.timed and after_first else None
 
 
-def _finite(value: float) -> float | None:
-    return None if math.isnan(value) else value
-
-
 for _measurement in (
-    Measurement("ttft", "TTFT s", FED, lambda run: run.prefill_s + run.compress_s + run.feed_s),
     Measurement("tpot", "TPOT ms", DECODED, _tpot, scale=1000.0),
+    Measurement("ttft", "TTFT s", FED, lambda run: run.prefill_s + run.compress_s + run.feed_s),
     Measurement("prefill_s", "prefill s", FED, lambda run: run.prefill_s, in_table=False),
     Measurement("compress_s", "compress s", FED, lambda run: run.compress_s, in_table=False),
     Measurement("feed_s", "feed s", FED, lambda run: run.feed_s, in_table=False),

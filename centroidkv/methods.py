@@ -400,11 +400,13 @@ def split_top_level(text: str) -> list[str]:
 
 
 def _literal(text: str) -> Any:
-    """A Python literal (1, 0.5, True, "x", [1, 2]); true/false/none as YAML writes them; else the text."""
-    lowered = {"true": True, "false": False, "none": None, "null": None}
+    """A Python literal (1, 0.5, True, "x", [1, 2]); true/false/null as YAML writes them; else the text
+    (so `heads=none` is the word "none", as in the YAML configs)."""
+    lowered = {"true": True, "false": False, "null": None}
     if text.lower() in lowered:
         return lowered[text.lower()]
     try:
-        return ast.literal_eval(text)
+        value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+    return text if value is None else value  # Python's None is not a YAML value: keep the word

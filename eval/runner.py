@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from centroidkv.errors import first_line
+from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
 from eval.hub import offline_unless_reachable
@@ -42,7 +43,7 @@ class NoSuccessError(JobError):
 
 
 def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
-    """Mean score / TPOT / KV bytes per variant@budget, plus counts (records, failed, torn or corrupt
+    """Mean score and mean of every table measurement (`centroidkv.measurements`) per variant@budget, plus counts (records, failed, torn or corrupt
     lines dropped from records.jsonl when the job resumed)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
@@ -54,8 +55,10 @@ def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
     }
     for label, group in sorted(groups.items()):
         ok = [r for r in group if r["status"] == "ok"]
-        for metric in ("score", "tpot", "ttft", "kv_bytes"):
-            values = [r[metric] for r in ok if r.get(metric) is not None and not math.isnan(r[metric])]
+        for metric in ("score", *(m.name for m in table_measurements())):
+            values = [
+                r[metric] for r in ok if isinstance(r.get(metric), (int, float)) and not math.isnan(r[metric])
+            ]
             if values:
                 summary[f"{label}/{metric}"] = sum(values) / len(values)
     return summary

@@ -14,21 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 
-TABLE_COLUMNS = (
-    "task",
-    "sample_id",
-    "method",
-    "variant",
-    "budget",
-    "status",
-    "score",
-    "ttft",
-    "tpot",
-    "kv_bytes",
-    "prediction",
-)
+# The samples table: who and what, then every table measurement (`centroidkv.measurements`).
+RECORD_COLUMNS = ("task", "sample_id", "method", "variant", "budget", "status", "score")
+
+
+def table_columns() -> list[str]:
+    return [*RECORD_COLUMNS, *(m.name for m in table_measurements()), "prediction"]
 
 
 class NullLogger:
@@ -85,19 +79,17 @@ class WandbLogger:
 
     def log_record(self, record: dict[str, Any]) -> None:
         prefix = f"{record['task']}/{record.get('variant') or record['method']}@{record['budget']:g}"
-        metrics = {
-            f"{prefix}/{k}": record[k]
-            for k in ("score", "ttft", "tpot", "kv_bytes")
-            if record.get(k) is not None
-        }
+        names = ["score", *(m.name for m in table_measurements())]
+        metrics = {f"{prefix}/{k}": record[k] for k in names if record.get(k) is not None}
         metrics["failed"] = int(record["status"] != "ok")
         self.run.log(metrics, step=self.step)
         self.step += 1
 
     def finish(self, summary: dict[str, Any], records: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=list(TABLE_COLUMNS))
+        columns = table_columns()
+        table = self.wandb.Table(columns=columns)
         for record in records:
-            table.add_data(*[_cell(record.get(column)) for column in TABLE_COLUMNS])
+            table.add_data(*[_cell(record.get(column)) for column in columns])
         self.run.log({"samples": table}, step=self.step)
         for key, value in summary.items():
             self.run.summary[key] = value

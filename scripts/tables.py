@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from centroidkv.measurements import table_measurements  # noqa: E402
 from centroidkv.methods import method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
@@ -327,24 +328,51 @@ def top_tier(df: pd.DataFrame, budget: float) -> set[str]:
     return {labels[i] for i in compressing if i == best or p_above(per_draw, best, i) < RESOLVED}
 
 
-def speed_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Method@budget x context length: mean TPOT (ms), TTFT (s) and KV cache (MiB)."""
-    ok = df[df["ok"]].copy()
-    ok["who"] = ok.apply(
+def with_measurement_columns(ok: pd.DataFrame) -> list[str]:
+    """Add one column per table measurement (`centroidkv.measurements`) the records hold, named by its
+    title and scaled (TPOT in ms, KV in MiB); returns the titles, in registration order."""
+    titles = []
+    for measurement in table_measurements():
+        if measurement.name in ok and ok[measurement.name].notna().any():
+            ok[measurement.title] = pd.to_numeric(ok[measurement.name], errors="coerce") * measurement.scale
+            titles.append(measurement.title)
+    return titles
+
+
+def _who(ok: pd.DataFrame) -> pd.Series:
+    return ok.apply(
         lambda r: r["label"] if r["method"] == "full" else f"{r['label']} @ {r['budget']:g}", axis=1
     )
-    ok["tpot_ms"] = ok["tpot"] * 1000
-    ok["kv_mib"] = ok["kv_bytes"] / 2**20
-    parts = []
-    for column, title in (("tpot_ms", "TPOT ms"), ("ttft", "TTFT s"), ("kv_mib", "KV MiB")):
-        part = ok.pivot_table(index="who", columns="length", values=column, aggfunc="mean")
-        part.columns = [f"{title} @ {int(c)}" for c in part.columns]
-        parts.append(part)
-    table = pd.concat(parts, axis=1)
+
+
+def _in_method_order(table: pd.DataFrame, ok: pd.DataFrame) -> pd.DataFrame:
     order = ok.drop_duplicates("who").sort_values(["label_rank", "budget"])["who"]
     table = table.reindex(list(order))
     table.index.name = "Method"
     return table
+
+
+def speed_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Method@budget x context length: the mean of every table measurement (TPOT ms, TTFT s, KV MiB...)."""
+    ok = df[df["ok"]].copy()
+    ok["who"] = _who(ok)
+    parts = []
+    for title in with_measurement_columns(ok):
+        part = ok.pivot_table(index="who", columns="length", values=title, aggfunc="mean")
+        part.columns = [f"{title} @ {int(c)}" for c in part.columns]
+        parts.append(part)
+    return _in_method_order(pd.concat(parts, axis=1), ok)
+
+
+def measurements_table(df: pd.DataFrame) -> pd.DataFrame | None:
+    """Method@budget: the mean of every table measurement over the successful records (None without any)."""
+    ok = df[df["ok"]].copy()
+    ok["who"] = _who(ok)
+    titles = with_measurement_columns(ok)
+    if ok.empty or not titles:
+        return None
+    table = ok.groupby("who")[titles].mean()
+    return _in_method_order(table, ok)
 
 
 def _fmt(value, digits: int) -> str:
@@ -479,6 +507,10 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
                 f"{models}, context {lengths} tokens"
             )
             tables[f"{safe_name(bench)}_ranking"] = (caption, ranking_table(part, budgets), 1)
+    measured = measurements_table(df)
+    if measured is not None:
+        models = ", ".join(sorted(df["model"].dropna().unique()))
+        tables["measurements"] = (f"Mean of each measurement per record, {models}", measured, 2)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
@@ -568,7 +600,7 @@ def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     written = []
     for name, (caption, table, digits) in make_tables(df).items():
         name = prefix + name
-        bold_best = not name.endswith(("speed", "ranking"))
+        bold_best = not name.endswith(("speed", "ranking", "measurements"))
         markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best)}\n"
         latex = to_latex(table, caption, digits, bold_best) + "\n"
         for suffix, text in ((".md", markdown), (".tex", latex)):

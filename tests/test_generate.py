@@ -1,5 +1,6 @@
-"""`python -m centroidkv.generate`: one-line errors before the model loads, and one answer per method
-(a kvpress press with its own prefill among them) from the command line with --json."""
+"""`python -m centroidkv.generate`: one-line errors before the model loads, one answer per method (a
+kvpress press among them) from the command line with --json, every method under one protocol, method
+parameters in the method's name, and a method that cannot run answering one line while the others go on."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from centroidkv.generate import main
         (["--prompt", "hi", "--budget", "0"], "budget must be a fraction in (0, 1]"),
         (["--prompt", "hi", "--model", "nope"], "unknown model 'nope'"),
         (["--prompt", "hi", "--model", "tiny-llama"], "no tokenizer"),
+        (["--prompt", "hi", "--methods", "centroidkv(n_recnt=3)"], "unknown parameter(s) n_recnt"),
+        (["--prompt", "hi", "--methods", "centroidkv(n_recent=-1)"], "n_recent must be an integer >= 0"),
+        (["--prompt", "hi", "--methods", "snapkv:3"], "takes no name:value form"),
     ],
 )
 def test_bad_inputs_are_one_line_before_the_model_loads(argv, message, capsys, monkeypatch):
@@ -40,9 +44,26 @@ def test_one_answer_per_method_as_json(tmp_path, capsys):
     argv += ["--methods", "full,snapkv,kvpress:SnapKVPress", "--budget", "0.5", "--max-new-tokens", "4"]
     assert main([*argv, "--json"]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [a["method"] for a in answers] == ["full", "snapkv", "kvpress:SnapKVPress"]
-    assert [a["protocol"] for a in answers] == ["full_prompt", "full_prompt", "context_only"]
-    full, snapkv, press = answers
+    assert sorted(a["method"] for a in answers) == ["full", "kvpress:SnapKVPress", "snapkv"]
+    assert {a["protocol"] for a in answers} == {"context_only"}  # one protocol per call: the context's
+    full, snapkv, press = sorted(
+        answers, key=lambda a: ["full", "snapkv", "kvpress:SnapKVPress"].index(a["method"])
+    )
     assert full["kv_ratio"] == pytest.approx(1.0) and snapkv["kv_ratio"] < 0.6 and press["kv_ratio"] < 0.6
     assert snapkv["max_entries"] < full["min_entries"]
     assert all(a["text"] and a["ttft_s"] > 0 and a["n_generated"] <= 4 for a in answers)
+
+
+def test_a_whole_prompt_runs_every_method_full_prompt_and_refuses_a_press_alone(capsys):
+    prompt = " ".join(f"Line {i}: the river runs quietly past the old mill." for i in range(30))
+    argv = ["--prompt", prompt, "--methods", "full,kvpress:SnapKVPress,centroidkv(n_recent=8,heads=none)"]
+    assert main([*argv, "--budget", "0.5", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("protocol: full_prompt")
+    blocks = {block.split("\n")[0]: block for block in out.split("== ")[1:]}
+    press = next(title for title in blocks if title.startswith("kvpress:SnapKVPress"))
+    assert "cannot run" in press and "--context and --question" in press and "\n" not in press.strip()
+    full = blocks[next(t for t in blocks if t.startswith("full "))]
+    assert "the full cache (no budget)" in full and "answer: " in full
+    centroidkv = next(t for t in blocks if t.startswith("centroidkv(n_recent=8,heads=none)"))
+    assert "answer: " in blocks[centroidkv] and "of the budget's full cache" in blocks[centroidkv]

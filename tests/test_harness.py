@@ -261,15 +261,15 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     made it."""
     import torch
 
-    import eval.evaluate
+    import centroidkv.plan
     from centroidkv.cache import CompressedCache
     from centroidkv.decoding import prefill
     from eval.runner import config_yaml_of, run_job
 
     seen: dict[str, list] = {"prefill": [], "question": [], "fork": []}
     real_prefill, real_start, real_fork = (
-        eval.evaluate.prefill,
-        eval.evaluate.start_fork,
+        centroidkv.plan.prefill,
+        centroidkv.plan.start_fork,
         CompressedCache.fork,
     )
 
@@ -286,8 +286,8 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
         seen["fork"].append((twin, twin.seq_lengths()))
         return twin
 
-    monkeypatch.setattr(eval.evaluate, "prefill", spy_prefill)
-    monkeypatch.setattr(eval.evaluate, "start_fork", spy_start)
+    monkeypatch.setattr(centroidkv.plan, "prefill", spy_prefill)
+    monkeypatch.setattr(centroidkv.plan, "start_fork", spy_start)
     monkeypatch.setattr(CompressedCache, "fork", spy_fork)
     overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
                  "benchmark.context_only=true", "benchmark.max_new_tokens=1"]  # fmt: skip
