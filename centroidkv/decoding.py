@@ -325,24 +325,3 @@ def chat_prompt_ids(
     head = tokenizer(text[:split], add_special_tokens=False)["input_ids"]
     tail = tokenizer(text[split:], add_special_tokens=False)["input_ids"] if split < len(text) else []
     return head, tail
-
-
-def warm_up(
-    model: PreTrainedModel, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 256
-) -> float:
-    """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
-    fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
-    is several times slower than the next ones), through the per-sample plan (`centroidkv.plan.run`).
-    Returns the seconds it took. The runner does the same per job (`warmup: true`)."""
-    from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
-    from centroidkv.plan import Prompt, Run, run
-
-    start = time.perf_counter()
-    built = [get_method(m) if isinstance(m, str) else m for m in methods]
-    device = next(model.parameters()).device
-    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
-    prompt = Prompt(ids, [], ids, [])
-    for outcome in run(model, prompt, [Run(m, 0.5) for m in built], 4, eos_token_ids=set(), decode_batch=1):
-        if outcome.error is not None:
-            raise outcome.error
-    return time.perf_counter() - start

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import centroidkv.models as models  # used as models.<name>, so that tests can stand in for the loaders
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
-from centroidkv.decoding import chat_prompt_ids, eos_token_ids, warm_up
+from centroidkv.decoding import chat_prompt_ids, eos_token_ids
 from centroidkv.errors import first_line
 from centroidkv.methods import Method, method_names, parse_method, split_top_level
 from centroidkv.model_names import EMBEDDED_MODEL
@@ -47,6 +47,7 @@ from centroidkv.plan import (
     Run,
     compresses_in_prefill,
     run,
+    warm_up,
 )
 
 

@@ -22,7 +22,8 @@ all call `run`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -313,3 +314,23 @@ def _run_own_prefill(
 def _free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def warm_up(
+    model: nn.Module, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 256
+) -> float:
+    """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
+    fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
+    is several times slower than the next ones), through the per-prompt plan (`run`).
+    Returns the seconds it took. The runner does the same per job (`warmup: true`)."""
+    from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
+
+    start = time.perf_counter()
+    built = [get_method(m) if isinstance(m, str) else m for m in methods]
+    device = next(model.parameters()).device
+    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
+    prompt = Prompt(ids, [], ids, [])
+    for outcome in run(model, prompt, [Run(m, 0.5) for m in built], 4, eos_token_ids=set(), decode_batch=1):
+        if outcome.error is not None:
+            raise outcome.error
+    return time.perf_counter() - start

@@ -95,8 +95,9 @@ def degrees(cache) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import chat_prompt_ids, generate_from, needs_of, prefill, warm_up
+    from centroidkv.decoding import chat_prompt_ids, generate_from, needs_of, prefill
     from centroidkv.models import EMBEDDED_MODEL
+    from centroidkv.plan import warm_up
     from eval.benchmarks.ruler import generate_samples
     from eval.benchmarks.ruler.scoring import ruler_score
 
