@@ -53,14 +53,14 @@ ARGS ?=
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/$(RULER_EXPERIMENT)
-	$(PYTHON) scripts/figures.py results/$(RULER_EXPERIMENT)
+	$(PYTHON) scripts/figures.py results/$(RULER_EXPERIMENT) --out paper_figures
 
 # kvpress's presses next to CentroidKV and the native baselines (configs/experiment/kvpress_zoo.yaml).
 zoo: $(STAMP)
 	$(PYTHON) -c "from baselines.kvpress_press import main; main(['skips'])"
 	$(PYTHON) scripts/run.py experiment=kvpress_zoo $(ARGS)
 	$(PYTHON) scripts/tables.py results/kvpress_zoo
-	$(PYTHON) scripts/figures.py results/kvpress_zoo
+	$(PYTHON) scripts/figures.py results/kvpress_zoo --out paper_figures
 
 # LongBench from the hub, or LONGBENCH_DIR=<folder of LongBench jsonl files>; the paper used MODEL=llama3.1-8b.
 reproduce-longbench: $(STAMP)
@@ -71,7 +71,7 @@ reproduce-longbench: $(STAMP)
 sweep-r: $(STAMP)
 	$(PYTHON) scripts/run.py -m experiment=sweep_r model=$(MODEL) method.params.r_init=$(R_VALUES) $(ARGS)
 	$(PYTHON) scripts/tables.py results/sweep_r
-	$(PYTHON) scripts/figures.py results/sweep_r
+	$(PYTHON) scripts/figures.py results/sweep_r --out paper_figures
 
 # The head-policy factorial on dev samples ({CentroidKV, K-Means, SnapKV, StreamingLLM, H2O} x {no heads,
 # whole heads, head budgets} at 0.25 and 0.125 in bytes; one prefill per sample): ranking, tables, figures.
@@ -79,7 +79,7 @@ ablate: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=ablate_heads model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/ablate_heads
 	$(PYTHON) scripts/head_attribution.py results/ablate_heads
-	$(PYTHON) scripts/figures.py results/ablate_heads
+	$(PYTHON) scripts/figures.py results/ablate_heads --out paper_figures
 
 # The same factorial on test samples, at 0.25 and 0.125 (heads) and 0.0625 (heads_low, the variants that fit).
 heads: $(STAMP)
@@ -89,21 +89,21 @@ heads: $(STAMP)
 	$(PYTHON) scripts/tables.py results/heads_low
 	$(PYTHON) scripts/head_attribution.py results/heads $(if $(wildcard results/ablate_heads),--choose-on results/ablate_heads)
 	$(PYTHON) scripts/head_attribution.py results/heads_low  # dev has no 0.0625: chosen on these records
-	$(PYTHON) scripts/figures.py results/heads
+	$(PYTHON) scripts/figures.py results/heads --out paper_figures
 
 # CentroidKV's own ablation (similarity x outlier heads x schedule x chunk size, a half fraction) on dev.
 ablate-centroidkv: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=ablate_centroidkv model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/ablate_centroidkv
-	$(PYTHON) scripts/figures.py results/ablate_centroidkv
+	$(PYTHON) scripts/figures.py results/ablate_centroidkv --out paper_figures
 
 speed: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=speed model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/speed
-	$(PYTHON) scripts/figures.py results/speed
+	$(PYTHON) scripts/figures.py results/speed --out paper_figures
 
 tables: $(STAMP)
 	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || true; done
 
 figures: $(STAMP)
-	$(PYTHON) scripts/figures.py results
+	$(PYTHON) scripts/figures.py results --out paper_figures

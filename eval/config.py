@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,7 @@ class RunConfig:
     overwrite: bool = False  # a job folder holding another config's records: set them aside, start again
     share_prefill: bool = True  # kvpress presses compress forks of one shared prefill (eval.evaluate)
     decode_batch: int = DEFAULT_DECODE_BATCH  # forks decoded together at most; 1: each alone, with TPOT
+    overrides: tuple[str, ...] = ()  # the command line's overrides that name the job (`named_job`)
 
     def identity(self) -> dict[str, Any]:
         """Everything that changes the job's numbers, as flat `key: value` pairs (saved in config.yaml;
@@ -158,8 +159,10 @@ class RunConfig:
         return self.benchmark.n_expected_samples() * len(self.methods) * BYTES_PER_RECORD + 2**20
 
 
-# Job folder names: readable key=value pairs of the overrides, then a hash of the whole override string.
+# Job folder names: <benchmark>-<method or N methods>-<budgets>-<hash of the override string>
+# (`job_name`); the names of earlier versions (`former_job_names`) are still found, so their jobs resume.
 JOB_HASH_CHARS = 6
+JOB_PART_CHARS = 40  # a variant's name or the budgets, cut past this (the hash tells them apart)
 JOB_KEY_PREFIXES = ("method.params.", "benchmark.", "method.")  # dropped from keys where unambiguous
 JOB_VALUE_CHARS = 24  # longer values are cut (the hash still tells them apart)
 JOB_READABLE_CHARS = 80
@@ -191,9 +194,65 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._@+-]", "_", text)
 
 
+def override_hash(override_dirname: str) -> str:
+    """JOB_HASH_CHARS hex digits of the override string: the same overrides, the same hash."""
+    return hashlib.sha1(override_dirname.strip().encode()).hexdigest()[:JOB_HASH_CHARS]
+
+
+def job_name(benchmark: str, methods: tuple[MethodSpec, ...], override_dirname: str) -> str:
+    """A job's folder name, short and stable: `<benchmark>-<methods>-<budgets>-<hash>`, e.g.
+    `ruler-3methods-0.25+0.5-706c2b` or `toy-snapkv-0.5-1a2b3c`.
+
+    <methods> is the variant's name when the job has one, else the number of variants; <budgets> the
+    budgets of the methods that compress, joined by `+` (left out when only the full cache runs);
+    <hash> is the hash of the whole override string (`override_hash`), so jobs of other overrides
+    never share a name and the same overrides always give the same one. The overrides themselves are
+    in the folder's config.yaml (`overrides`).
+    """
+    variants = list(dict.fromkeys(spec.variant for spec in methods))
+    shown = _safe(variants[0])[:JOB_PART_CHARS] if len(variants) == 1 else f"{len(variants)}methods"
+    references = _references(methods)
+    budgets = sorted({spec.budget for spec in methods if spec.variant not in references})
+    parts = [_safe(benchmark)[:JOB_PART_CHARS], shown]
+    if budgets:
+        parts.append("+".join(f"{budget:g}" for budget in budgets)[:JOB_PART_CHARS].rstrip("+"))
+    return "-".join([*parts, override_hash(override_dirname)])
+
+
+def _references(methods: tuple[MethodSpec, ...]) -> set[str]:
+    """The variants that do not compress (the full cache: one reference run at 1.0, whatever the budgets)."""
+    from centroidkv.methods import method_class
+
+    return {spec.variant for spec in methods if not method_class(spec.name).compresses}
+
+
+def former_job_names(override_dirname: str) -> list[str]:
+    """The folder names the same overrides had in earlier versions, newest first: the key=value form
+    (`job_name_from_overrides`), then the override string itself (`former_job_name`)."""
+    return list(dict.fromkeys([job_name_from_overrides(override_dirname), former_job_name(override_dirname)]))
+
+
+def named_job(cfg: RunConfig, override_dirname: str) -> RunConfig:
+    """`cfg` named by its overrides (`job_name`), in its experiment's folder, with the overrides kept
+    (`RunConfig.overrides`, saved in config.yaml). When no folder of that name exists but one of a
+    former name does (`former_job_names`), the job keeps that folder and its name: its results stay
+    where they are and the job resumes."""
+    name = job_name(cfg.benchmark.name, cfg.methods, override_dirname)
+    experiment_dir = cfg.job_dir.parent
+    if not (experiment_dir / name).exists():
+        name = next((n for n in former_job_names(override_dirname) if (experiment_dir / n).is_dir()), name)
+    return replace(
+        cfg,
+        job=name,
+        job_dir=experiment_dir / name,
+        overrides=tuple(split_overrides(override_dirname.strip())),
+    )
+
+
 def job_name_from_overrides(override_dirname: str) -> str:
-    """A job's folder name: `default` without overrides; otherwise its overrides as short key=value
-    pairs plus a hash of the whole override string, e.g. `schedule=linear,budget=0.25-3f2a9c`.
+    """The folder name jobs had before `job_name` (a former name, `former_job_names`): `default`
+    without overrides; otherwise the overrides as short key=value pairs plus a hash of the whole
+    override string, e.g. `schedule=linear,budget=0.25-3f2a9c`.
 
     Keys lose the `method.params.`, `benchmark.` and `method.` prefixes unless two keys would then
     read the same; values are made filesystem-safe and cut at JOB_VALUE_CHARS, the pairs at
@@ -213,12 +272,12 @@ def job_name_from_overrides(override_dirname: str) -> str:
         f"{_safe(key)}={_safe(value)[:JOB_VALUE_CHARS]}" for key, (_, value) in zip(keys, pairs)
     )
     readable = readable[:JOB_READABLE_CHARS].rstrip(",=.") or "job"
-    return f"{readable}-{hashlib.sha1(override_dirname.strip().encode()).hexdigest()[:JOB_HASH_CHARS]}"
+    return f"{readable}-{override_hash(override_dirname)}"
 
 
 def former_job_name(override_dirname: str) -> str:
     """The folder name the same overrides had before readable names (the override string itself,
-    cut with a hash past 150 characters): `build_run_config(..., former_job=)` resumes such a folder."""
+    cut with a hash past 150 characters): a former name (`former_job_names`), still resumed."""
     name = re.sub(r"[^A-Za-z0-9=,._@+-]", "_", override_dirname.strip())
     if len(name) > 150:
         name = f"{name[:130]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
@@ -321,13 +380,9 @@ def _as_list(value: Any) -> list:
     return [value]
 
 
-def build_run_config(
-    cfg: DictConfig | dict, job: str = "default", former_job: str | None = None
-) -> RunConfig:
-    """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig.
-
-    `former_job`: the job's folder name before readable names (`former_job_name`); when only a folder
-    of that name exists, the job keeps it (its results stay where they are and the job resumes)."""
+def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
+    """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig
+    of the job `job` (the command line names it from its overrides: `named_job`)."""
     from centroidkv import get_method
     from centroidkv.models import check_model_name
 
@@ -437,9 +492,6 @@ def build_run_config(
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
-    former_dir = job_dir.parent / former_job if former_job else None
-    if former_dir is not None and not job_dir.exists() and former_dir.is_dir():
-        job, job_dir = former_job, former_dir
     return RunConfig(
         experiment=experiment,
         job=job,

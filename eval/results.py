@@ -3,10 +3,11 @@
     python -m eval.results [DIR] [--sync-hint]
 
 DIR (default `results`) is a results folder (`<DIR>/<experiment>/<job>/`), one experiment's folder,
-or one job's folder. Each job shows its experiment and job name, its methods (variants), the
-parameters that set what its numbers mean (model, benchmark, split, samples per task, budget unit),
-its budgets, how many records succeeded and failed, the mean score of those that succeeded, and
-whether it is done, running (with the lock holder) or stopped. `--sync-hint` also prints the
+or one job's folder. Each job shows its experiment and job name, its methods (variants) each with
+the mean score of its records that succeeded (over all its budgets), the parameters that set what
+its numbers mean (model, benchmark, split, samples per task, budget unit), the budgets of its
+compressing methods (the full cache's reference run at 1.0 is not a budget), how many records
+succeeded and failed, and whether it is done, running (with the lock holder) or stopped. `--sync-hint` also prints the
 `wandb sync` command of each offline W&B run found in a job folder (`<job>/wandb/offline-run-*`).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from eval.records import CONFIG, DONE, LOCK, RECORDS, JobStore, _alive, _holder, scan_records
 
-COLUMNS = ("experiment", "job", "methods", "parameters", "budgets", "ok", "failed", "score", "status")
+COLUMNS = ("experiment", "job", "methods (mean score)", "parameters", "budgets", "ok", "failed", "status")
 
 
 @dataclass
@@ -31,10 +32,10 @@ class JobSummary:
     job: str
     methods: list[str]  # variants, in the order they first appear
     parameters: dict[str, Any]  # model, benchmark, split, n_samples, budget_unit (those known)
-    budgets: list[float]
+    budgets: list[float]  # of the compressing methods' records (not the full cache's 1.0)
     n_ok: int
     n_failed: int
-    mean_score: float | None  # over the records that succeeded and have a score
+    mean_scores: dict[str, float | None]  # variant -> mean over its records that succeeded with a score
     status: str  # done | running (<holder>) | stopped
     offline_runs: list[Path] = field(default_factory=list)  # <job>/wandb/offline-run-*
 
@@ -76,8 +77,16 @@ def summarize(job_dir: Path) -> JobSummary:
         "budget_unit": identity.get("budget_unit", first.get("budget_unit")),
     }
     ok = [r for r in records if r.get("status") == "ok"]
-    scores = [float(r["score"]) for r in ok if isinstance(r.get("score"), (int, float))]
-    methods = list(dict.fromkeys(str(r.get("variant") or r.get("method")) for r in records))
+    methods = list(dict.fromkeys(_variant(r) for r in records))
+    scores: dict[str, list[float]] = {variant: [] for variant in methods}
+    for r in ok:
+        if isinstance(r.get("score"), (int, float)):
+            scores[_variant(r)].append(float(r["score"]))
+    budgets = {
+        float(r["budget"])
+        for r in records
+        if isinstance(r.get("budget"), (int, float)) and _compresses(str(r.get("method")))
+    }
     if not methods:  # no record yet: the variants named in the identity (methods.<variant>.method)
         methods = list(dict.fromkeys(key.split(".")[1] for key in identity if key.startswith("methods.")))
     return JobSummary(
@@ -85,20 +94,38 @@ def summarize(job_dir: Path) -> JobSummary:
         job=job_dir.name,
         methods=methods,
         parameters={key: value for key, value in parameters.items() if value is not None},
-        budgets=sorted({float(r["budget"]) for r in records if isinstance(r.get("budget"), (int, float))}),
+        budgets=sorted(budgets),
         n_ok=len(ok),
         n_failed=sum(r.get("status") == "failed" for r in records),
-        mean_score=sum(scores) / len(scores) if scores else None,
+        mean_scores={variant: sum(s) / len(s) if s else None for variant, s in scores.items()},
         status=job_status(job_dir),
         offline_runs=sorted(path for path in (job_dir / "wandb").glob("offline-run-*") if path.is_dir()),
     )
 
 
+def _variant(record: dict[str, Any]) -> str:
+    return str(record.get("variant") or record.get("method"))
+
+
+def _compresses(method: str) -> bool:
+    """Whether the registered method `method` compresses (the full cache does not); a method that is
+    no longer installed counts as compressing, so its budgets are still shown."""
+    from centroidkv.methods import method_class  # the registry imports torch: only when records exist
+
+    try:
+        return method_class(method).compresses
+    except ValueError:
+        return True
+
+
 def row(job: JobSummary, max_methods: int = 4) -> tuple[str, ...]:
-    """The job's cells, in the order of COLUMNS."""
-    shown = ",".join(job.methods[:max_methods])
+    """The job's cells, in the order of COLUMNS; each method with its mean score ("-": none yet)."""
+    shown = ", ".join(
+        f"{variant} {'-' if job.mean_scores.get(variant) is None else format(job.mean_scores[variant], '.1f')}"
+        for variant in job.methods[:max_methods]
+    )
     if len(job.methods) > max_methods:
-        shown += f",+{len(job.methods) - max_methods}"
+        shown += f", +{len(job.methods) - max_methods}"
     return (
         job.experiment,
         job.job,
@@ -107,7 +134,6 @@ def row(job: JobSummary, max_methods: int = 4) -> tuple[str, ...]:
         ",".join(f"{b:g}" for b in job.budgets) or "-",
         str(job.n_ok),
         str(job.n_failed),
-        "-" if job.mean_score is None else f"{job.mean_score:.1f}",
         job.status,
     )
 

@@ -191,7 +191,11 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
 
 
 def config_yaml_of(cfg: RunConfig, composed: Any) -> str:
-    """The composed Hydra config plus the validated run config, as saved in the job folder."""
+    """The command line's overrides that name the job (`overrides`: its folder name's hash covers
+    them), the composed Hydra config and the validated run config, as saved in the job folder."""
     resolved = OmegaConf.to_container(composed, resolve=True) if composed is not None else {}
     validated = json.loads(json.dumps({**asdict(cfg), "benchmark": cfg.benchmark.params()}, default=str))
-    return OmegaConf.to_yaml(OmegaConf.create({"composed": resolved, "validated": validated}))
+    overrides = validated.pop("overrides", [])
+    return OmegaConf.to_yaml(
+        OmegaConf.create({"overrides": overrides, "composed": resolved, "validated": validated})
+    )

@@ -31,8 +31,7 @@ from eval.config import (
     ConfigError,
     RunConfig,
     build_run_config,
-    former_job_name,
-    job_name_from_overrides,
+    named_job,
     store_configs,
 )
 from eval.records import JobError, JobStore, check_results_folder
@@ -84,9 +83,7 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
             with open_dict(cfg):
                 del cfg["hydra"]  # its interpolations only resolve inside a running job
             try:
-                configs.append(
-                    build_run_config(cfg, job_name_from_overrides(dirname), former_job_name(dirname))
-                )
+                configs.append(named_job(build_run_config(cfg), dirname))
             except ConfigError as error:
                 where = (
                     f"job {index} ({','.join(o for o in overrides if o in swept)}): " if len(jobs) > 1 else ""

@@ -1,7 +1,7 @@
-"""The paper's figures from any set of results, as PNG + PDF under paper_figures/.
+"""The paper's figures from any set of results, as PNG + PDF next to the results they draw.
 
-  python scripts/figures.py results/<experiment>
-  python scripts/figures.py results/*/ --out paper_figures
+  python scripts/figures.py results/<experiment>              # -> results/<experiment>/figures/
+  python scripts/figures.py results/*/ --out paper_figures    # every figure in one folder (make targets)
 
 Figures (each drawn when the records hold what it needs), named <experiment>_<figure>, per benchmark
 the records name (their `benchmark` field) as its report asks (`eval.benchmarks.Report`; no benchmark
@@ -17,17 +17,26 @@ is named here):
   <benchmark>_score_vs_param  average score vs the parameter(s) a method was swept over (r_init,
                             schedule, chunk_size, ...), one panel per swept method, one line per budget.
 
-Every method or variant (table label) has its own colour and marker, kept across figures. Files are
-written atomically (a temporary file renamed into place), never through a symbolic link.
+Every method has one colour and marker, the same in every figure of every experiment, taken from the
+method registry (`method_style`: its place among the registered names); the full cache is black with a
+star, in the legend like every drawn series. The variants or configurations of one method share its
+colour and marker and differ in line style and marker fill (`series_look`). Equal points stay
+visible: the score-vs-budget lines are dodged sideways, and in the score-vs-KV figure points at equal
+coordinates are spread a little along x (each figure says which). Titles name the benchmark by its
+report (`Report.title`, e.g. "RULER: ..."). Files are written atomically (a temporary file renamed
+into place), never through a symbolic link.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import os
 import sys
 import tempfile
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +50,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from centroidkv.methods import method_label  # noqa: E402
+from centroidkv.methods import method_class, method_label, method_names, method_variant  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
+from eval.records import RECORDS  # noqa: E402
 from scripts.tables import (  # noqa: E402
     ABSENT,
     OutputError,
@@ -56,25 +66,124 @@ from scripts.tables import (  # noqa: E402
     short_key_names,
 )
 
-MARKERS = "osv^D<>pPX*h"
-# tab20's 10 strong colours, then their 10 light ones: the first 10 labels get 10 hues.
-COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
+MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
+# tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9
+# methods get 9 hues.
+COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
+# (colour, marker) pairs: both change from one to the next, all distinct (lcm(18, 11) = 198).
+PAIRS = [(COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]) for i in range(len(COLORS) * len(MARKERS))]
 FULL_COLORS = ("black", "dimgray", "darkgray")  # full-cache references (several when a row split)
+FULL_MARKER = "*"
+# How the series of one method differ (its variants, configurations or budgets): the i-th one gets
+# the i-th line style and marker fill, so that even a single point tells them apart.
+LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+FILLSTYLES = ("full", "none", "left", "bottom", "right", "top")
 
 
-def _style(label_rank: int) -> dict:
-    """Colour and marker of the label ranked `label_rank` (tables.load's order of the labels).
+@functools.cache
+def method_slots() -> dict[str, int]:
+    """Each registered method that compresses -> its place among their names, sorted (`method_names`
+    of the registry, never a list copied here): its (colour, marker) pair is PAIRS[place], in every
+    figure of every experiment. The places change only when a method is registered or removed."""
+    names = sorted(name for name in method_names() if method_class(name).compresses)
+    return {name: place for place, name in enumerate(names)}
 
-    Colour and marker both change from one label to the next, and the pair is unique for the first
-    lcm(20, 12) = 60 labels, so every method and variant of an experiment is told apart.
-    """
-    rank = max(0, int(label_rank))
-    return dict(color=COLORS[rank % len(COLORS)], marker=MARKERS[rank % len(MARKERS)])
+
+def method_style(method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The colour and marker of a method run, from the method's registration, the same in every
+    figure: the registered name's pair (`method_slots`). A wrapper names what it wraps
+    (`Method.variant_for`, e.g. kvpress-TOVA for kvpress's TOVAPress): each wrapped method gets a pair
+    no registered method has, chosen by a hash of that name (two of them may share one; the legend
+    names each). The full cache is black with a star.
+
+    The one place a series' colour and marker are chosen: a field that should change the marker
+    (e.g. a KV precision) belongs here."""
+    cls = _registered(method)
+    if cls is not None and not cls.compresses:
+        return dict(color=FULL_COLORS[0], marker=FULL_MARKER)
+    slots = method_slots()
+    key = method_variant(method, params) if cls is not None else method
+    if key in slots:
+        return dict(zip(("color", "marker"), PAIRS[slots[key]], strict=True))
+    free = PAIRS[len(slots) :]
+    digest = int(hashlib.sha1(key.encode()).hexdigest(), 16)
+    return dict(zip(("color", "marker"), free[digest % len(free)], strict=True))
+
+
+def _registered(method: str):
+    try:
+        return method_class(method)
+    except ValueError:  # records of a method that is no longer installed
+        return None
+
+
+def series_look(index: int) -> dict[str, Any]:
+    """Line style and marker fill of the `index`-th series of one method (0: solid line, filled)."""
+    return dict(linestyle=LINESTYLES[index % len(LINESTYLES)], fillstyle=FILLSTYLES[index % len(FILLSTYLES)])
+
+
+def series_styles(series: list[tuple[Any, str, dict[str, Any]]]) -> dict[Any, dict[str, Any]]:
+    """Each series -> its style: its method's colour and marker (`method_style`) and, among the
+    series of one method in the order given, the i-th `series_look`. A full-cache series gets the
+    reference style (`_full_style`, the i-th of them) with the full cache's star.
+
+    `series`: (series name, method, params) in drawing order, each name once."""
+    styles: dict[Any, dict[str, Any]] = {}
+    seen: dict[tuple, int] = {}
+    n_full = 0
+    for name, method, params in series:
+        style = method_style(method, params)
+        if style["marker"] == FULL_MARKER:
+            styles[name] = {**_full_style(n_full), "marker": FULL_MARKER}
+            n_full += 1
+            continue
+        key = (style["color"], style["marker"])
+        styles[name] = {**style, **series_look(seen.get(key, 0))}
+        seen[key] = seen.get(key, 0) + 1
+    return styles
+
+
+def label_styles(df: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """label -> its style (`series_styles`), the labels of one method (its variants, configurations)
+    numbered in `label_rank` order."""
+    firsts = df.sort_values("label_rank").drop_duplicates("label")
+    return series_styles(list(zip(firsts["label"], firsts["method"], firsts["params"], strict=True)))
 
 
 def _full_style(index: int) -> dict:
     """A full-cache reference line: dashed, black first, greys for further configurations."""
     return dict(color=FULL_COLORS[index % len(FULL_COLORS)], linestyle="--", linewidth=1.2)
+
+
+def benchmark_title(benchmark: str) -> str:
+    """The benchmark's name in every figure title: its report's (`Report.title`, e.g. "RULER")."""
+    return benchmark_report(benchmark).title
+
+
+def spread_coinciding(
+    points: list[tuple[str, float, float]], step: float, y_close: float = 1.5
+) -> dict[tuple[str, int], float]:
+    """Small deterministic offsets along x for points that would hide each other.
+
+    `points`: (series, x, y) in drawing order. A point closer than `step` in x and `y_close` in y to
+    the first point of a group joins that group; the points of a group are spread `step` apart
+    around their own x, in drawing order; a lone point keeps its x. Returns (series, index of the
+    point in its series) -> offset."""
+    groups: list[tuple[float, float, list[tuple[str, int]]]] = []
+    index_in: dict[str, int] = {}
+    for series, x, y in points:
+        index = index_in.get(series, 0)
+        index_in[series] = index + 1
+        group = next((g for g in groups if abs(g[0] - x) < step and abs(g[1] - y) < y_close), None)
+        if group is None:
+            groups.append((x, y, [(series, index)]))
+        else:
+            group[2].append((series, index))
+    offsets = {}
+    for _, _, members in groups:
+        for position, member in enumerate(members):
+            offsets[member] = (position - (len(members) - 1) / 2) * step
+    return offsets
 
 
 def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
@@ -130,7 +239,9 @@ def _subtitle(df: pd.DataFrame) -> str:
     return f"{models}, context {lengths} tokens, {per_task} sample{'s' if per_task != '1' else ''} per task"
 
 
-def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title: str) -> bool:
+def _accuracy_axes(
+    ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title: str, styles: dict[str, dict]
+) -> bool:
     part = means if tasks is None else means[means["task"].isin(tasks)]
     if part.empty:
         return False
@@ -138,16 +249,16 @@ def _accuracy_axes(ax, means: pd.DataFrame, tasks: tuple[str, ...] | None, title
     budgets = sorted(avg.loc[avg["method"] != "full", "budget"].unique())
     n_lines = avg.loc[avg["method"] != "full", "label"].nunique()
     spread = 0.08 * (max(budgets) - min(budgets) if len(budgets) > 1 else 0.25)
-    line = full = 0
-    for (method, rank, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
+    line = 0
+    for (method, _, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
         if method == "full":
-            ax.axhline(rows["score"].mean(), label=f"{label} (no compression)", zorder=5, **_full_style(full))
-            full += 1
+            style = {k: v for k, v in styles[label].items() if k != "marker"}
+            ax.axhline(rows["score"].mean(), label=f"{label} (no compression)", zorder=5, **style)
             continue
         # Dodge: equal scores would hide each other, so each line is shifted a little sideways.
         offset = (line - (n_lines - 1) / 2) * spread / max(1, n_lines - 1)
         ax.plot(
-            rows["budget"] + offset, rows["score"], label=label, linewidth=1.6, markersize=6, **_style(rank)
+            rows["budget"] + offset, rows["score"], label=label, linewidth=1.6, markersize=6, **styles[label]
         )
         line += 1
     ax.set_title(title, fontsize=11)
@@ -170,9 +281,11 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             continue
         report = benchmark_report(benchmark)
         means = _task_means(part)
+        styles = label_styles(part)
         fig, ax = plt.subplots(figsize=(7, 4.6))
         tasks = ", ".join(sorted(part["task"].unique()))
-        _accuracy_axes(ax, means, None, f"{report.title} average score vs KV budget\n{_subtitle(part)}")
+        title = f"{benchmark_title(benchmark)}: average score vs KV budget\n{_subtitle(part)}"
+        _accuracy_axes(ax, means, None, title, styles)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
         ax.text(
             0.5,
@@ -186,12 +299,12 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             wrap=True,
         )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_accuracy_vs_budget")
-        paths += _accuracy_by_family(part, means, report, out, f"{prefix}{safe_name(benchmark)}")
+        paths += _accuracy_by_family(part, means, report, styles, out, f"{prefix}{safe_name(benchmark)}")
     return paths
 
 
 def _accuracy_by_family(
-    part: pd.DataFrame, means: pd.DataFrame, report: Report, out: Path, name: str
+    part: pd.DataFrame, means: pd.DataFrame, report: Report, styles: dict[str, dict], out: Path, name: str
 ) -> list[Path]:
     """One benchmark's score vs budget, one panel per task family of its report that the records hold
     (none when they hold fewer than two)."""
@@ -205,11 +318,11 @@ def _accuracy_by_family(
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharey=True)
     for ax, (family, tasks) in zip(axes.flat, families, strict=False):
         present = [t for t in tasks if t in set(part["task"])]
-        _accuracy_axes(ax, means, tuple(present), f"{family}\n({', '.join(present)})")
+        _accuracy_axes(ax, means, tuple(present), f"{family}\n({', '.join(present)})", styles)
     for ax in axes.flat[len(families) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.suptitle(f"{report.title} score vs budget per task family — {_subtitle(part)}", fontsize=11)
+    fig.suptitle(f"{report.title}: score vs KV budget per task family\n{_subtitle(part)}", fontsize=11)
     fig.tight_layout()
     # Below the panels (after the layout, so it cannot cover the x-axis labels); the saved
     # figure's tight bounding box takes it in.
@@ -273,7 +386,8 @@ def _heatmap(scored: pd.DataFrame, report: Report, out: Path, name: str) -> list
     for ax in axes.flat[len(order) :]:
         ax.axis("off")
     fig.suptitle(
-        f"{report.title}: retrieval score (0-100) — {', '.join(sorted(scored['model'].unique()))}",
+        f"{report.title}: retrieval score (0-100) by needle depth and context length\n"
+        f"{', '.join(sorted(scored['model'].unique()))}",
         fontsize=11,
     )
     if image is not None:
@@ -294,16 +408,17 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         tpot_ms=timed["tpot"] * 1000,
         kv_mib=timed["kv_bytes_final"].fillna(timed["kv_bytes"]) / 2**20,
     )
-    agg = timed.groupby(["method", "label_rank", "who", "length"], as_index=False)[
+    agg = timed.groupby(["method", "label_rank", "budget", "who", "length"], as_index=False)[
         ["tpot_ms", "kv_mib"]
     ].mean()
-    agg = agg.sort_values(["label_rank", "who", "length"])
+    agg = agg.sort_values(["label_rank", "budget", "length"])
+    firsts = timed.sort_values(["label_rank", "budget"]).drop_duplicates("who")
+    styles = series_styles(list(zip(firsts["who"], firsts["method"], firsts["params"], strict=True)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (method, rank, who), group in agg.groupby(["method", "label_rank", "who"], sort=False):
+    for who, group in agg.groupby("who", sort=False):
         group = group.sort_values("length")
-        style = dict(linestyle="--", color="black", marker="o") if method == "full" else _style(rank)
-        ax1.plot(group["length"], group["tpot_ms"], label=who, **style)
-        ax2.plot(group["length"], group["kv_mib"], label=who, **style)
+        ax1.plot(group["length"], group["tpot_ms"], label=who, **styles[who])
+        ax2.plot(group["length"], group["kv_mib"], label=who, **styles[who])
     for ax, ylabel, title in (
         (ax1, "Time per output token (ms)", "Decoding speed"),
         (ax2, "KV cache size after decoding (MiB)", "KV cache memory"),
@@ -319,9 +434,12 @@ def speed_vs_context(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         ax.grid(alpha=0.3)
     ax2.legend(fontsize=8, loc="upper left")
     device = ", ".join(sorted(timed["model"].unique()))
-    fig.suptitle(f"TPOT and KV memory vs context length — {device}", fontsize=11)
+    fig.suptitle(f"Decoding speed and KV memory vs context length\n{device}", fontsize=11)
     fig.tight_layout()
     return _save(fig, out, f"{prefix}speed_vs_context")
+
+
+SPREAD = 0.016  # x distance between points that would coincide in the score vs KV figure
 
 
 def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
@@ -329,33 +447,56 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
 
     One line per method or variant through its budgets, each point the average over tasks of the
     per-task means (only points that have every task) at the mean measured `kv_budget_ratio` (or
-    `kv_ratio` in older records); the full cache is a dashed reference line with its own point.
+    `kv_ratio` in older records); the full cache is a dashed reference line through its own star,
+    one legend entry for both. Points that would hide each other (equal ratio and score) are spread
+    SPREAD apart along x around their true ratio (`spread_coinciding`), and the figure says so.
     """
     paths = []
     for benchmark, part in df[df["ok"]].groupby("benchmark"):
         avg = _averages(_task_means(part)).dropna(subset=["kv"])
         if avg.loc[avg["method"] != "full"].empty:
             continue
+        styles = label_styles(part)
+        series = [
+            (label, rows.sort_values("kv"))
+            for (_, _, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False)
+        ]
+        offsets = spread_coinciding(
+            [(label, x, y) for label, rows in series for x, y in zip(rows["kv"], rows["score"], strict=True)],
+            SPREAD,
+        )
+        spread = any(offsets.values())
         fig, ax = plt.subplots(figsize=(7, 4.6))
-        full = 0
-        for (method, rank, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
-            if method == "full":
-                style = _full_style(full)
-                ax.axhline(rows["score"].mean(), label=f"{label} (no compression)", zorder=5, **style)
-                ax.plot(
-                    rows["kv"], rows["score"], marker="*", markersize=11, linestyle="", color=style["color"]
-                )
-                full += 1
+        for label, rows in series:
+            style = styles[label]
+            x = rows["kv"] + [offsets[label, i] for i in range(len(rows))]
+            if style["marker"] == FULL_MARKER:
+                line = {k: v for k, v in style.items() if k != "marker"}
+                ax.axhline(rows["score"].mean(), zorder=5, **line)  # in the legend with its star
+                ax.plot(x, rows["score"], markersize=11, label=f"{label} (no compression)", **style)
                 continue
-            rows = rows.sort_values("kv")
-            ax.plot(rows["kv"], rows["score"], label=label, linewidth=1.4, markersize=6, **_style(rank))
+            ax.plot(x, rows["score"], label=label, linewidth=1.4, markersize=6, **style)
         ax.set_xlabel("Measured KV ratio (bytes stored after compression / full cache of n + max new tokens)")
         ax.set_ylabel("Average score (0-100)")
         ax.set_xlim(left=0)
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
-        ax.set_title(f"{benchmark}: average score vs measured KV ratio\n{_subtitle(part)}", fontsize=10)
+        ax.set_title(
+            f"{benchmark_title(benchmark)}: average score vs measured KV ratio\n{_subtitle(part)}",
+            fontsize=10,
+        )
+        if spread:
+            ax.text(
+                0.5,
+                -0.16,
+                f"points at equal ratio and score are spread {SPREAD:g} apart along x around their true ratio",
+                transform=ax.transAxes,
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="dimgray",
+            )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
 
@@ -386,6 +527,8 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False)
         full = avg[avg["method"] == "full"].groupby("label", sort=False)["score"].mean()
+        styles = label_styles(part)
+        params_of = dict(zip(part["method"], part["params"], strict=False))
         for ax, (method, rows, labels, keys) in zip(axes.flat, panels, strict=True):
             names = short_key_names(keys)
             values = {label: [identity_of[label].get(k, ABSENT) for k in keys] for label in labels}
@@ -405,18 +548,15 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
                 x_of = {label: float(i) for i, label in enumerate(labels)}
                 ax.set_xticks(range(len(labels)))
                 ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=8)
-            for i, (budget, series) in enumerate(rows.groupby("budget")):
+            for i, (budget, series) in enumerate(rows.groupby("budget")):  # the method's colour, by budget
                 series = series.assign(x=series["label"].map(x_of)).sort_values("x")
-                style = _style(i)
-                ax.plot(
-                    series["x"],
-                    series["score"],
-                    label=f"budget {budget:g}",
-                    linestyle="-" if numeric else ":",
-                    **style,
-                )
-            for i, (label, score) in enumerate(full.items()):
-                ax.axhline(score, label=label, **_full_style(i))
+                style = {**method_style(method, params_of.get(method)), **series_look(i)}
+                if not numeric:  # categorical: the line only joins the configurations
+                    style["linestyle"] = ":"
+                ax.plot(series["x"], series["score"], label=f"budget {budget:g}", **style)
+            for label, score in full.items():
+                line = {k: v for k, v in styles[label].items() if k != "marker"}
+                ax.axhline(score, label=f"{label} (no compression)", **line)
             ax.set_xlabel(textwrap.fill("varies: " + ", ".join(names[k] for k in keys), 70), fontsize=8)
             ax.set_ylabel("Average score (0-100)")
             ax.set_ylim(-3, 103)
@@ -424,7 +564,9 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             ax.legend(fontsize=8)
             swept = ", ".join(names[k] for k in keys) if len(keys) <= 2 else "configuration"
             ax.set_title(f"{method_label(method)}: score vs {swept}", fontsize=10)
-        fig.suptitle(f"{benchmark} — {_subtitle(part)}", fontsize=10)
+        fig.suptitle(
+            f"{benchmark_title(benchmark)}: score vs swept parameters\n{_subtitle(part)}", fontsize=10
+        )
         fig.tight_layout()
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_param")
     return paths
@@ -433,13 +575,30 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
 FIGURES = (accuracy_vs_budget, score_vs_kv, heatmaps, speed_vs_context, score_vs_param)
 
 
-def make_figures(df: pd.DataFrame, out: Path) -> list[Path]:
-    """Every figure the records allow, per experiment."""
+def make_figures(df: pd.DataFrame, out: Path | Mapping[str, Path]) -> list[Path]:
+    """Every figure the records allow, per experiment, into `out`: one folder, or one per experiment
+    (experiment -> folder, `figure_folders`)."""
     paths: list[Path] = []
     for experiment, part in df.groupby("experiment"):
+        folder = out if isinstance(out, Path) else out[experiment]
         for figure in FIGURES:
-            paths += figure(part, out, f"{safe_name(experiment)}_")
+            paths += figure(part, folder, f"{safe_name(experiment)}_")
     return paths
+
+
+def figure_folders(paths: list[Path], experiments: list[str]) -> dict[str, Path]:
+    """experiment -> where its figures go without --out: next to the results they draw,
+    `<results>/<experiment>/figures/`. An experiment's folder is the one above the job folders whose
+    records.jsonl the paths hold, found by its name (the first found when two paths hold one name);
+    records naming an experiment no folder has (copied from elsewhere) go to the figures folder of
+    the first path (of its folder, for a file)."""
+    found: dict[str, Path] = {}
+    for path in paths:
+        files = [path] if path.is_file() else sorted(path.rglob(RECORDS))
+        for file in files:
+            found.setdefault(file.parent.parent.name, file.parent.parent)
+    first = paths[0] if paths[0].is_dir() else paths[0].parent
+    return {experiment: found.get(experiment, first) / "figures" for experiment in experiments}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,14 +606,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("paths", nargs="+", type=Path, help="results folders or records.jsonl files")
-    parser.add_argument("--out", type=Path, default=ROOT / "paper_figures")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="one folder for every figure (default: <results>/<experiment>/figures/ for each experiment)",
+    )
     args = parser.parse_args(argv)
     df = load_or_error(args.paths)
     if isinstance(df, str):
         print(df, file=sys.stderr)
         return 2
+    out = args.out or figure_folders(args.paths, sorted(df["experiment"].unique()))
     try:
-        paths = make_figures(df, args.out)
+        paths = make_figures(df, out)
     except OutputError as error:
         print(error, file=sys.stderr)
         return 2

@@ -25,13 +25,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from eval.config import (  # noqa: E402
-    ConfigError,
-    build_run_config,
-    former_job_name,
-    job_name_from_overrides,
-    store_configs,
-)
+from eval.config import ConfigError, build_run_config, named_job, store_configs  # noqa: E402
 
 store_configs()  # method=<name> and benchmark=<name> for every registered one, from their dataclasses
 
@@ -40,7 +34,7 @@ store_configs()  # method=<name> and benchmark=<name> for every registered one, 
 def main(cfg: DictConfig) -> None:
     overrides = HydraConfig.get().job.override_dirname
     try:
-        run_cfg = build_run_config(cfg, job_name_from_overrides(overrides), former_job_name(overrides))
+        run_cfg = named_job(build_run_config(cfg), overrides)
     except ConfigError as error:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)

@@ -237,6 +237,25 @@ def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None
 
 
 RESOLVED = 0.9  # a lead with P below this is "level": bold, rank tiers and words follow it
+# Fewer samples per method than this resolve no comparison, whatever the bootstrap says: with one
+# sample every draw is the same sample, and P(> next) only says whether two scores are equal.
+MIN_SAMPLES = 10
+
+
+def count_words(count: int, noun: str) -> str:
+    """`1 task`, `2 tasks`: a count with its noun in the right number."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def unresolved_words(n_samples: int) -> str:
+    """The words a table carries when `n_samples` per method cannot resolve its comparisons ("" when
+    they can): tables and rankings say it, not only their numbers."""
+    if n_samples >= MIN_SAMPLES:
+        return ""
+    return (
+        f"only {count_words(n_samples, 'sample')} per method (fewer than {MIN_SAMPLES}): "
+        "the differences between these rows are not resolved"
+    )
 
 
 def bootstrap(df: pd.DataFrame, budget: float, draws: int = 2000, seed: int = 0):
@@ -277,7 +296,10 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
     scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
     step of the ranking would survive new samples; near 0.5 means the two are not told apart.
     `Rank` is a tier: methods joined by steps with P(> next) < RESOLVED (0.9) share one ("1-2"), so
-    the order inside a tier is not claimed. Only samples every method at that budget finished are
+    the order inside a tier is not claimed. The "resolved" column says in words what the sample
+    cannot resolve: "level with <next>" for a step with P < RESOLVED, "too few samples" under
+    MIN_SAMPLES (10) samples per method (whatever P says: with one sample every draw is alike), else
+    "yes"; the caption warns when a budget has too few samples. Only samples every method at that budget finished are
     used. A task with a single sample has nothing to resample within it (every draw would be equal,
     claiming a certainty the data do not have), so when some task has fewer than 2 samples the draws
     resample the samples across tasks instead, and the "bootstrap" column says so.
@@ -298,6 +320,15 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
         for position, column in enumerate(order):
             low, high = np.percentile(per_draw[:, column], [2.5, 97.5])
             first, last = tiers[position]
+            words = []
+            if beats[position] is not None and beats[position] < RESOLVED:
+                words.append(
+                    f"level with {labels[order[position + 1]]} (P {beats[position]:.2f} < {RESOLVED:g})"
+                )
+            if n_samples < MIN_SAMPLES:
+                words.append(f"too few samples ({n_samples} < {MIN_SAMPLES})")
+            elif beats[position] is not None and not words:
+                words.append("yes")
             rows.append(
                 {
                     "Budget": f"{budget:g}",
@@ -306,6 +337,7 @@ def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, see
                     "Avg": means[column],
                     "95% CI": f"{low:.1f}-{high:.1f}",
                     "P(> next)": "-" if beats[position] is None else f"{beats[position]:.2f}",
+                    "resolved": "; ".join(words) or "-",
                     "samples": n_samples,
                     "bootstrap": "within tasks" if within_tasks else "across tasks",
                 }
@@ -397,11 +429,14 @@ def bolded(table: pd.DataFrame) -> dict[str, set]:
     return table.attrs.get("bold", {})
 
 
-def _row_cells(table: pd.DataFrame, label, row, bold_cells: dict, digits: int, bold: str) -> list[str]:
-    """A row's formatted cells; a cell whose row is in its column's top tier wrapped in `bold`."""
+def _row_cells(
+    table: pd.DataFrame, label, row, bold_cells: dict, digits: int, bold: str, escape=lambda text: text
+) -> list[str]:
+    """A row's formatted cells, each passed through `escape`; a cell whose row is in its column's top
+    tier wrapped in `bold`."""
     cells = []
     for column in table.columns:
-        text = _fmt(row[column], 0 if column in COUNT_COLUMNS else COLUMN_DIGITS.get(column, digits))
+        text = escape(_fmt(row[column], 0 if column in COUNT_COLUMNS else COLUMN_DIGITS.get(column, digits)))
         if label in bold_cells.get(column, ()):
             text = bold.format(text)
         cells.append(text)
@@ -431,7 +466,8 @@ def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) ->
 def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
 
     def esc(text: str) -> str:
-        return str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace(">", r"$>$")
+        text = str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
+        return text.replace(">", r"$>$").replace("<", r"$<$")
 
     best = bolded(table) if bold_best else {}
     lines = [
@@ -445,7 +481,7 @@ def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool
         r"\midrule",
     ]
     for label, row in table.iterrows():
-        cells = [esc(label), *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}")]
+        cells = [esc(label), *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}", esc)]
         lines.append(" & ".join(cells) + r" \\")
         if str(label).startswith("Full"):
             lines.append(r"\midrule")
@@ -488,25 +524,44 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
                 f"context {lengths} tokens{split_words(part)}; KV: measured KV ratio"
             )
             table = score_table(part, budget, names)
+            n_least = int(table["n"].min()) if table["n"].notna().any() else 0  # per row: the fewest samples
+            warning = unresolved_words(n_least) if budgets else ""
+            caption += f". Warning: {warning}" if warning else ""
             tier = top_tier(part, budget) if budgets else set()
             table.attrs["bold"] = {"Avg": tier}
             tables[f"{safe_name(bench)}_budget{budget:g}"] = (caption, table, 1)
-            averages[f"{budget * 100:g}%"] = (table["Avg"], tier)
+            averages[f"{budget * 100:g}%"] = (table["Avg"], tier, n_least)
         if report.summary and len(averages) > 1:
-            summary = pd.DataFrame({column: avg for column, (avg, _) in averages.items()})
-            summary.attrs["bold"] = {column: tier for column, (_, tier) in averages.items()}
+            summary = pd.DataFrame({column: avg for column, (avg, _, _) in averages.items()})
+            summary.attrs["bold"] = {column: tier for column, (_, tier, _) in averages.items()}
             summary.index.name = "Method"
-            n_tasks = part["task"].nunique()
-            caption = f"{title} average over {n_tasks} tasks per budget, {models}, context {lengths} tokens"
+            n_tasks = count_words(part["task"].nunique(), "task")
+            caption = f"{title} average over {n_tasks} per budget, {models}, context {lengths} tokens"
+            warning = unresolved_words(min(n for _, _, n in averages.values()))
+            caption += f". Warning: {warning}" if warning else ""
             tables[f"{safe_name(bench)}_summary"] = (caption, summary, 1)
         if (
             report.ranking and budgets
         ):  # how stable the order is, at every budget (a single-budget ablation included)
             caption = (
                 f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
-                f"{models}, context {lengths} tokens"
+                f"{models}, context {lengths} tokens; resolved: whether a row's lead over the next one "
+                f"would survive new samples (P(> next) >= {RESOLVED:g} and at least {MIN_SAMPLES} samples)"
             )
-            tables[f"{safe_name(bench)}_ranking"] = (caption, ranking_table(part, budgets), 1)
+            ranking = ranking_table(part, budgets)
+            few = sorted(
+                {
+                    f"{b}"
+                    for b, n in zip(ranking.index, ranking.get("samples", []), strict=True)
+                    if n < MIN_SAMPLES
+                }
+            )
+            if few:
+                caption += (
+                    f". Warning: fewer than {MIN_SAMPLES} samples per method at budget {', '.join(few)}: "
+                    "that order is not resolved"
+                )
+            tables[f"{safe_name(bench)}_ranking"] = (caption, ranking, 1)
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))

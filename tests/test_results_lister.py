@@ -56,8 +56,9 @@ def test_lists_each_job_with_its_counts_scores_and_status(tmp_path, capsys):
 
     assert job_folders(tmp_path) == [done, running, stopped]
     summary = summarize(done)
-    assert (summary.n_ok, summary.n_failed, summary.mean_score) == (2, 1, 75.0)
-    assert summary.methods == ["full", "centroidkv", "snapkv"] and summary.budgets == [0.25, 1.0]
+    assert (summary.n_ok, summary.n_failed) == (2, 1)
+    assert summary.mean_scores == {"full": 100.0, "centroidkv": 50.0, "snapkv": None}
+    assert summary.methods == ["full", "centroidkv", "snapkv"] and summary.budgets == [0.25]
     assert summary.parameters == {
         "model": "smollm2-135m",
         "benchmark": "ruler",
@@ -73,7 +74,8 @@ def test_lists_each_job_with_its_counts_scores_and_status(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["experiment", "job", "methods"]
     by_job = {line.split()[1]: line for line in lines[1:4]}
-    assert by_job["budget=0.25-abc123"].split()[-5:] == ["0.25,1", "2", "1", "75.0", "done"]
+    assert "full 100.0, centroidkv 50.0, snapkv -  " in by_job["budget=0.25-abc123"]
+    assert by_job["budget=0.25-abc123"].split()[-4:] == ["0.25", "2", "1", "done"]
     assert "running (pid" in by_job["default"] and by_job["old"].endswith("stopped")
     assert lines[-1] == f"wandb sync {done / 'wandb' / 'offline-run-20260101_000000-abcd'}"
 
@@ -85,3 +87,18 @@ def test_one_job_folder_and_errors(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
     assert main([str(tmp_path / "exp"), "--sync-hint"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "no offline W&B runs to sync"
+
+
+def test_a_job_mixing_the_full_cache_and_two_budgets_shows_each_methods_mean_and_only_real_budgets(
+    tmp_path, capsys
+):
+    """Before: one pooled "score 80.0" for full 100, centroidkv 100 and 100, snapkv 0 and 100, and
+    the budgets "0.25,0.5,1" with the full cache's reference run among them."""
+    records = [record("full", 1.0), record("centroidkv", 0.25), record("centroidkv", 0.5)]
+    records += [record("snapkv", 0.25, score=0.0), record("snapkv", 0.5)]
+    write_job(tmp_path / "ruler_small" / "job", records)
+    assert main([str(tmp_path)]) == 0
+    header, line = capsys.readouterr().out.splitlines()
+    assert "score" not in header.replace("methods (mean score)", "")  # no pooled score column
+    assert "full 100.0, centroidkv 100.0, snapkv 50.0" in line
+    assert line.split()[-4:] == ["0.25,0.5", "5", "0", "stopped"]

@@ -188,11 +188,11 @@ def test_every_variant_has_its_own_style(tmp_path):
         for v, r in (("ckv_a", 0.1), ("ckv_b", 0.3))
     ]
     job(tmp_path, "a", records)
-    df = tables.load([tmp_path / "exp"])
-    a, b = (figures._style(df.loc[df["label"] == v, "label_rank"].iloc[0]) for v in ("ckv_a", "ckv_b"))
-    assert a["color"] != b["color"] and a["marker"] != b["marker"]
-    styles = {(figures._style(rank)["color"], figures._style(rank)["marker"]) for rank in range(40)}
-    assert len(styles) == 40  # 40 lines, 40 distinct colour-marker pairs
+    styles = figures.label_styles(tables.load([tmp_path / "exp"]))
+    a, b = styles["ckv_a"], styles["ckv_b"]  # one method: its colour and marker, another line and fill
+    assert (a["linestyle"], a["fillstyle"]) != (b["linestyle"], b["fillstyle"])
+    pairs = {(tuple(color), marker) for color, marker in figures.PAIRS}
+    assert len(pairs) == len(figures.PAIRS) >= 40  # distinct colour-marker pairs for methods
 
 
 def test_score_vs_param_names_the_swept_parameters(tmp_path, drawn):
