@@ -5,7 +5,6 @@ modules (head files, config validation) can ask; `centroidkv.models` loads and r
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from transformers import (
@@ -19,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS
+from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, cache_dir  # noqa: F401
 
 # The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
 _LLAMA_MISTRAL_7B = dict(
@@ -88,11 +87,6 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
 }
 MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
 RANDOM_MODELS = (*PAPER_CONFIGS, *TINY_MODELS)  # seeded random weights, no tokenizer
-
-
-def cache_dir() -> Path:
-    """Where converted models and calibration files live (`$CENTROIDKV_CACHE` or ~/.cache/centroidkv)."""
-    return Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv"))
 
 
 def parse_model_name(name: str) -> tuple[str, int | None]:

@@ -45,10 +45,7 @@ from centroidkv.decoding import (
 )
 from centroidkv.methods import Method
 from centroidkv.needs import RECORDERS
-
-CONTEXT_ONLY, FULL_PROMPT = "context_only", "full_prompt"
-PROTOCOLS = (FULL_PROMPT, CONTEXT_ONLY)
-DEFAULT_DECODE_BATCH = 32  # forks decoded together at most (every fork of a batch is alive at once)
+from centroidkv.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, PROTOCOLS  # noqa: F401
 
 
 class PrefillRun(Protocol):

@@ -24,7 +24,7 @@ from centroidkv.budget import (
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
-from centroidkv.plan import DEFAULT_DECODE_BATCH
+from centroidkv.run_options import DEFAULT_DECODE_BATCH
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
 
@@ -98,8 +98,6 @@ class LoggerConfig:
     name: str
     project: str = "centroidkv"
     mode: str = "auto"  # auto: online when W&B is configured, offline otherwise
-
-
 
 
 @dataclass(frozen=True)
@@ -298,15 +296,20 @@ def store_configs() -> None:
     `baselines/`, or from an entry point) becomes `method=<name>` with `params` = its dataclass
     defaults, the only place defaults live, and `budget` = DEFAULT_BUDGET; each benchmark of
     `eval.benchmarks` becomes `benchmark=<name>` with its dataclass defaults. Call before Hydra
-    composes (scripts/run.py does at startup).
+    composes (scripts/run.py does at startup). Names and defaults come through `eval.schema`, cached, so
+    that a config error is one line without importing torch.
     """
     from hydra.core.config_store import ConfigStore
 
-    from centroidkv import get_method, method_names
-    from centroidkv.models import MODEL_NAMES
+    from eval.schema import config_schema
 
+    schema = config_schema()  # the registries' names and defaults, cached: torch is not imported
     store = ConfigStore.instance()
-    registered = {"model": list(MODEL_NAMES), "method": method_names(), "benchmark": benchmark_names()}
+    registered = {
+        "model": schema["models"],
+        "method": list(schema["methods"]),
+        "benchmark": benchmark_names(),
+    }
     for group, names in registered.items():  # forget options whose method or benchmark is gone
         options = store.repo.get(group, {})
         for option in [o for o, node in options.items() if node.provider == "centroidkv"]:
@@ -316,7 +319,7 @@ def store_configs() -> None:
         node = {"name": name, "dtype": None, "device": None}
         store.store(group="model", name=name, node=node, provider="centroidkv")
     for name in registered["method"]:
-        node = {"name": name, "budget": DEFAULT_BUDGET, "params": get_method(name).params()}
+        node = {"name": name, "budget": DEFAULT_BUDGET, "params": schema["methods"][name]}
         store.store(group="method", name=name, node=node, provider="centroidkv")
     for name in registered["benchmark"]:
         node = build_benchmark({"name": name})[0].params()

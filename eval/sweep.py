@@ -92,7 +92,9 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:  # Hydra's own, one line
-        raise ConfigError([hydra_error_line(error)]) from None
+        line = hydra_error_line(error)
+        hint = _key_hint(hydra, config_name, args.overrides, line)
+        raise ConfigError([f"{line}; {hint}" if hint else line]) from None
     finally:
         GlobalHydra.instance().clear()
     if errors:
@@ -182,6 +184,31 @@ def hydra_error_line(error: BaseException) -> str:
     elif first.startswith("Could not override"):
         detail = "no such key"
     return f"{first} ({detail})" if detail else first
+
+
+def _key_hint(hydra, config_name: str, overrides: list[str], line: str) -> str:
+    """`did you mean ...?` when Hydra refused an override for a key that does not exist: the closest
+    keys of the config composed without that override (`eval.schema.suggestion`)."""
+    import re
+
+    from hydra.types import RunMode
+
+    from eval.schema import config_schema, known_keys, suggestion
+
+    found = re.match(r"Could not override '([^']+)'", line)
+    if found is None:
+        return ""
+    key = found.group(1)
+    given = [o for o in overrides if o.lstrip("+~").partition("=")[0] == key]
+    value = given[0].partition("=")[2] if given else None
+    rest = [o for o in overrides if o not in given]
+    try:
+        cfg = hydra.compose_config(config_name, rest, run_mode=RunMode.RUN, with_log_configuration=False)
+        root = OmegaConf.to_container(cfg, resolve=False)
+    except Exception:  # the rest has its own error: no hint
+        return ""
+    root.pop("hydra", None)
+    return suggestion(key, value, known_keys(config_schema(), root))
 
 
 # ------------------------------------------------------------------------------ submitit launchers
