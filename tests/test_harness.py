@@ -253,6 +253,11 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
     )
     ok = [r for r in records if r["status"] == "ok"]
     assert len(ok) == 4 and {r["sample_id"] for r in ok} == {"toy-256-0", "toy-256-2"}
+    # the protected windows kept: centroidkv's own (16, 64) at 0.5, none for the full cache
+    assert {(r["method"], r["n_sink_used"], r["n_recent_used"]) for r in ok} == {
+        ("full", None, None),
+        ("centroidkv", 16, 64),
+    }
     assert JobStore(cfg.job_dir).finished
 
 
