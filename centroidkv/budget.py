@@ -91,3 +91,18 @@ def check_protected_fit(
             f"{what} keeps {entries} entries, fewer than its {protected} protected (n_sink {n_sink} + "
             f"n_recent {n_recent} + 1); {remedy}"
         )
+
+
+def fit_protected(entries: int, n_sink: int, n_recent: int, what: str) -> tuple[int, int]:
+    """The protected windows (n_sink, n_recent) a compressed head of `entries` entries keeps: the
+    method's own when they fit with one entry left for the method to choose (`protected_entries`);
+    for a prompt too short for them at the budget, the recent window shrinks to what the budget
+    leaves, then the sinks, so that the budget is kept and the method still chooses at least one entry.
+    The cache applies this rule at every compression and records what it used
+    (`CompressedCache.protected_used`). Raises one ValueError line only when `entries` < 1 (`what`
+    names what keeps them, e.g. a method at a budget): there is then no entry to keep at all."""
+    if entries < 1:
+        raise ValueError(f"{what} keeps {entries} entries: no room for any token; raise the budget")
+    room = entries - 1  # one entry at least for the method to choose
+    sink = min(n_sink, room)
+    return sink, min(n_recent, room - sink)

@@ -6,7 +6,9 @@ paper's accounting) B = R * (n + Gamma); with `budget_unit="bytes"` (the default
 everything the cache stores (`kv_bytes()`: entries, degrees, entry records, heads kept whole) is R times
 the bytes of a full cache of n + Gamma tokens. After the prefill forward the cache is compressed to B
 when n > B; while decoding it is compressed back to B whenever it reaches B + g (g = the method's
-`compress_interval`). The first `n_sink` and last `n_recent` tokens are never given to the method.
+`compress_interval`). The first `n_sink` and last `n_recent` tokens are never given to the method; for a
+prompt too short for them at the budget, the recent window, then the sinks, shrink to what the budget
+leaves (`centroidkv.budget.fit_protected`), and `protected_used()` records the windows kept.
 
 Compression happens at the end of each layer's attention call (the attention function calls
 `CompressedLayer.after_attention`), so the prefill attention always sees the full prompt and a
@@ -72,7 +74,7 @@ from centroidkv.budget import (
     budget_entries,
     check_budget,
     check_budget_unit,
-    check_protected_fit,
+    fit_protected,
     solve_entries,
 )
 from centroidkv.heads import favoured_len
@@ -112,6 +114,7 @@ class CompressedLayer(DynamicLayer):
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
         self.n_compressions = 0
+        self.protected_used: tuple[int, int] | None = None  # (n_sink, n_recent) of the last compression
         # attribute or "extras.<name>" -> (buffer, the live view of it last stored in that attribute)
         self._buffers: dict[str, tuple[Tensor, Tensor]] = {}
 
@@ -171,7 +174,7 @@ class CompressedLayer(DynamicLayer):
 
     def check_planned_room(self) -> None:
         """Raise now (one line) when the generation this cache was planned for (the prompt plus
-        `max_new_tokens`) will need a compression whose budget cannot hold the protected tokens,
+        `max_new_tokens`) will need a compression whose budget holds no entry at all,
         instead of failing at that compression, possibly many tokens later."""
         method = self.owner.method
         if not method.compresses or not self.owner.compression_enabled:
@@ -392,10 +395,10 @@ class CompressedLayer(DynamicLayer):
             if self.favoured is not None and self.favoured.length > self.favoured.budget_len:
                 self.favoured.compress()
         length = self.length
-        n_sink, n_recent = method.n_sink, method.n_recent
         if length <= budget or self.keys.shape[1] == 0:
             return
-        self.check_protected_fit()
+        n_sink, n_recent = self.protected_windows()  # shrunk to the budget for a short prompt
+        self.protected_used = (n_sink, n_recent)
         middle = slice(n_sink, length - n_recent)
         log_degree = self.degrees_or_zeros()
         segment = LayerKV(
@@ -437,10 +440,16 @@ class CompressedLayer(DynamicLayer):
             splice(f"extras.{name}", record, kept.extras[name])
         self.n_compressions += 1
 
-    def check_protected_fit(self) -> None:
-        """Raise when this layer's budget cannot hold the protected sinks and recent window."""
+    def protected_windows(self) -> tuple[int, int]:
+        """(n_sink, n_recent) this layer's compressions keep: the method's, shrunk to the budget when it
+        cannot hold them (`centroidkv.budget.fit_protected`: the recent window first, then the sinks)."""
         method = self.owner.method
-        check_protected_fit(self.budget_len, method.n_sink, method.n_recent, f"{method.name} at this budget")
+        return fit_protected(self.budget_len, method.n_sink, method.n_recent, f"{method.name} at this budget")
+
+    def check_protected_fit(self) -> None:
+        """Raise (one line) when this layer's budget holds no entry at all; a budget below the protected
+        windows shrinks them instead (`protected_windows`)."""
+        self.protected_windows()
 
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place), with
@@ -668,7 +677,7 @@ class CompressedCache(Cache):
 
     def check_room(self, n_new_tokens: int) -> None:
         """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
-        whose budget cannot hold the protected tokens (known as soon as the prompt is in)."""
+        whose budget holds no entry at all (known as soon as the prompt is in)."""
         for layer in self.layers:
             if not self.method.compresses or layer.length == 0 or layer.keys.shape[1] == 0:
                 continue  # as in needs_compression: nothing to compress here
@@ -729,3 +738,12 @@ class CompressedCache(Cache):
     @property
     def n_compressions(self) -> int:
         return max((layer.n_compressions for layer in self.layers), default=0)
+
+    def protected_used(self) -> dict[str, int | None]:
+        """The protected windows the compressions kept, fewest over layers: `n_sink_used` and
+        `n_recent_used` are the method's n_sink and n_recent unless a prompt too short for them at the
+        budget shrank them (`centroidkv.budget.fit_protected`); None before any compression."""
+        used = [layer.protected_used for layer in self.layers if layer.protected_used is not None]
+        if not used:
+            return {"n_sink_used": None, "n_recent_used": None}
+        return {"n_sink_used": min(s for s, _ in used), "n_recent_used": min(r for _, r in used)}

@@ -118,6 +118,19 @@ for _measurement in (
     Measurement(
         "n_compressions", "compressions", DECODED, lambda run: run.cache.n_compressions, in_table=False
     ),
+    # the protected windows the compressions kept, fewest over layers: the method's n_sink / n_recent
+    # unless a prompt too short for them at the budget shrank them (`centroidkv.budget.fit_protected`);
+    # None without a compression
+    Measurement(
+        "n_sink_used", "sinks", DECODED, lambda run: run.cache.protected_used()["n_sink_used"], in_table=False
+    ),
+    Measurement(
+        "n_recent_used",
+        "recent",
+        DECODED,
+        lambda run: run.cache.protected_used()["n_recent_used"],
+        in_table=False,
+    ),
     Measurement(
         "peak_mem",
         "peak MiB",

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from centroidkv.heads import check_head_policy
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
+from centroidkv.registry import Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -247,22 +248,13 @@ def _model_shape(model_name: str) -> tuple[int, int] | None:
         return None
 
 
-REGISTRY: dict[str, type[Method]] = {}
+REGISTRY: Registry[type[Method]] = Registry("method")
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available to `get_method(cls.name)`."""
-    existing = REGISTRY.get(cls.name)
-    if existing is not None and _qualified(existing) != _qualified(cls):
-        raise ValueError(
-            f"method name {cls.name!r} is taken by {_qualified(existing)}; {_qualified(cls)} needs another name"
-        )
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """Class decorator: make a method available to `get_method(cls.name)`; a name taken by another
+    class is refused (`centroidkv.registry.Registry`)."""
+    return REGISTRY.register(cls)
 
 
 def _import_all(target: ModuleType | str) -> None:

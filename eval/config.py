@@ -20,7 +20,7 @@ from centroidkv.budget import (
     DEFAULT_BUDGET_UNIT,
     budget_entries,
     check_budget,
-    check_protected_fit,
+    fit_protected,
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
@@ -525,10 +525,11 @@ def _budget_errors(
 ) -> list[str]:
     """One line per (variant, budget) that cannot run, found before any model loads:
     - in bytes, heads the method keeps whole (CentroidKV's outlier heads) that alone take the budget;
-    - a budget that cannot hold the method's protected tokens (sinks, recent window, one more) at the
-      benchmark's shortest length, when a length counts the sample's prompt and new tokens (RULER,
-      NIAH): every sample would fail at its first compression. In bytes the compressed heads' share is
-      estimated (`centroidkv.heads.compressed_fraction`); the cache checks the exact one at run time."""
+    - a budget that keeps no entry at all at the benchmark's shortest length, when a length counts the
+      sample's prompt and new tokens (RULER, NIAH): every sample would fail at its first compression
+      (one too small for the protected windows shrinks them: `centroidkv.budget.fit_protected`). In
+      bytes the compressed heads' share is estimated (`centroidkv.heads.compressed_fraction`); the
+      cache checks the exact one at run time."""
     from centroidkv import get_method
 
     errors = []
@@ -551,7 +552,7 @@ def _budget_errors(
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
         what = f"{spec.label} on a {shortest}-token {benchmark.name} sample (budget_unit={budget_unit})"
         try:
-            check_protected_fit(kept, method.n_sink, method.n_recent, what)
+            fit_protected(kept, method.n_sink, method.n_recent, what)  # shorter windows, or no entry at all
         except ValueError as error:
             errors.append(f"budgets: {error}")
     return errors

@@ -335,23 +335,28 @@ def _stop(jobs: list) -> None:
         job.wait()
 
 
+# Our launchers (SweepJobs), by the `_target_` Hydra instantiates them from: the module that defines
+# them imports this one, and this one names them only (no import back: the layers import downwards).
+SWEEP_LAUNCHERS_MODULE = "hydra_plugins.centroidkv_launchers.sweep_launchers"
+SWEEP_LAUNCHERS = {"submitit_local": "LocalLauncher", "submitit_slurm": "SlurmLauncher"}
+
+
 def use_sweep_launchers() -> None:
-    """Point the submitit plugin's launcher configs at our launchers (SweepJobs; Hydra takes launchers
-    only from the hydra_plugins package, hence hydra_plugins/centroidkv_launchers). Hydra's plugin
-    scan (once per process) stores the plugin's own configs: ours replace them after it."""
+    """Point the submitit plugin's launcher configs at our launchers (`SWEEP_LAUNCHERS`, SweepJobs;
+    Hydra takes launchers only from the hydra_plugins package, hence hydra_plugins/centroidkv_launchers,
+    which Hydra imports when it instantiates one). Hydra's plugin scan (once per process) stores the
+    plugin's own configs: ours replace them after it."""
     if submitit_launcher is None:
         return
     from hydra.core.config_store import ConfigStore
     from hydra.core.plugins import Plugins
 
     Plugins.instance()  # the plugin scan
-    from hydra_plugins.centroidkv_launchers.sweep_launchers import LocalLauncher, SlurmLauncher
-
-    for name, schema, launcher in (
-        ("submitit_local", submitit_config.LocalQueueConf, LocalLauncher),
-        ("submitit_slurm", submitit_config.SlurmQueueConf, SlurmLauncher),
+    for name, schema in (
+        ("submitit_local", submitit_config.LocalQueueConf),
+        ("submitit_slurm", submitit_config.SlurmQueueConf),
     ):
-        target = f"{launcher.__module__}.{launcher.__qualname__}"
+        target = f"{SWEEP_LAUNCHERS_MODULE}.{SWEEP_LAUNCHERS[name]}"
         ConfigStore.instance().store(
             group="hydra/launcher", name=name, node=schema(_target_=target), provider="centroidkv"
         )

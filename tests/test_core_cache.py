@@ -254,9 +254,13 @@ def test_bad_parameters_fail_with_one_clear_line(build, message):
     assert "\n" not in str(error.value)
 
 
-def test_budget_too_small_for_protected_tokens(tiny_model):
+def test_budget_too_small_for_protected_tokens_shrinks_them_and_one_of_no_entry_is_refused(tiny_model):
     cache = CompressedCache(get_method("centroidkv"), budget=0.1, max_new_tokens=0)
-    with pytest.raises(ValueError, match="fewer than its"):
+    tiny_model(prompt(300), past_key_values=cache)  # B < 81 protected: shorter windows (fit_protected)
+    used = cache.protected_used()
+    assert used["n_sink_used"] + used["n_recent_used"] < min(cache.seq_lengths())
+    cache = CompressedCache(get_method("centroidkv"), budget=0.001, max_new_tokens=0)
+    with pytest.raises(ValueError, match="no room for any token"):
         tiny_model(prompt(300), past_key_values=cache)
 
 
@@ -313,12 +317,10 @@ def test_a_dropped_cache_is_freed_without_the_cycle_collector(tiny_model):
 
 
 def test_a_planned_generation_the_budget_cannot_hold_fails_at_the_prompt_with_one_line(tiny_model):
-    """B = 0.5 * (50 + 100) = 75 < n_sink + n_recent = 80: the re-compression 89 tokens later would
-    fail, so the cache refuses at its first update, when it knows the prompt and max_new_tokens."""
-    cache = CompressedCache("centroidkv", budget=0.5, max_new_tokens=100, budget_unit="entries")
-    with pytest.raises(
-        ValueError, match="fewer than its 81 protected \\(n_sink 16 \\+ n_recent 64"
-    ) as raised:
+    """B = int(0.005 * (50 + 100)) = 0: the re-compression 89 tokens later could keep no entry, so
+    the cache refuses at its first update, when it knows the prompt and max_new_tokens."""
+    cache = CompressedCache("centroidkv", budget=0.005, max_new_tokens=100, budget_unit="entries")
+    with pytest.raises(ValueError, match="keeps 0 entries: no room for any token") as raised:
         tiny_model(prompt(50), past_key_values=cache)
     assert "\n" not in str(raised.value)
     roomy = CompressedCache("centroidkv", budget=0.9, max_new_tokens=10, budget_unit="entries")  # B = 54

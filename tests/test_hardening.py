@@ -252,8 +252,8 @@ def test_a_random_model_with_an_empty_depth_is_refused(tmp_path):
 def test_a_rerun_of_a_job_whose_every_record_failed_names_retry_failed(tmp_path):
     from eval.runner import NoSuccessError, config_yaml_of, run_job
 
-    # centroidkv at 0.1 cannot hold its 81 protected tokens in a ~300-token toy prompt: every record fails
-    overrides = ["method=centroidkv", "method.budget=0.1", "benchmark.n_samples=2"]
+    # centroidkv at 0.001 keeps no entry of a ~300-token toy prompt: every record fails
+    overrides = ["method=centroidkv", "method.budget=0.001", "benchmark.n_samples=2"]
     cfg, raw = run_cfg(tmp_path, overrides)
     with pytest.raises(NoSuccessError):
         run_job(cfg, config_yaml_of(cfg, raw))

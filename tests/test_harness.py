@@ -237,19 +237,27 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
         return real(sample, tokenizer, context_only)
 
     monkeypatch.setattr(eval.evaluate, "encode_prompt", flaky)
-    # centroidkv at 0.1 cannot hold its 80 protected tokens in a ~300-token prompt: fails at compression.
-    cfg, raw = run_cfg(tmp_path, ["methods=[full,centroidkv]", "budgets=[0.1,0.5]", "benchmark.n_samples=3"])
+    # centroidkv at 0.001 keeps no entry of a ~300-token prompt: fails at compression (a budget short
+    # of its 81 protected tokens only shrinks them: tests/test_short_prompts.py).
+    cfg, raw = run_cfg(
+        tmp_path, ["methods=[full,centroidkv]", "budgets=[0.001,0.5]", "benchmark.n_samples=3"]
+    )
     summary = runner.run_job(cfg, runner.config_yaml_of(cfg, raw))
     records, _ = read_records(cfg.job_dir / "records.jsonl")
     assert len(records) == 9 and summary["n_failed"] == 3 + 2
     failed = [r for r in records if r["status"] == "failed"]
     assert {r["sample_id"] for r in failed if "bad data" in r["error"]} == {"toy-256-1"}
     budget_failures = [r for r in failed if r["sample_id"] != "toy-256-1"]
-    assert {r["budget"] for r in budget_failures} == {0.1} and all(
-        "protected" in r["error"] for r in budget_failures
+    assert {r["budget"] for r in budget_failures} == {0.001} and all(
+        "no room for any token" in r["error"] for r in budget_failures
     )
     ok = [r for r in records if r["status"] == "ok"]
     assert len(ok) == 4 and {r["sample_id"] for r in ok} == {"toy-256-0", "toy-256-2"}
+    # the protected windows kept: centroidkv's own (16, 64) at 0.5, none for the full cache
+    assert {(r["method"], r["n_sink_used"], r["n_recent_used"]) for r in ok} == {
+        ("full", None, None),
+        ("centroidkv", 16, 64),
+    }
     assert JobStore(cfg.job_dir).finished
 
 

@@ -1,5 +1,5 @@
-"""No import cycle among the repository's source files (centroidkv/, eval/, baselines/, scripts/),
-counting imports inside functions too: the layers import downwards only."""
+"""No import cycle among the repository's source files (centroidkv/, eval/, baselines/, scripts/,
+hydra_plugins/), counting imports inside functions too: the layers import downwards only."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_FOLDERS = ("centroidkv", "eval", "baselines", "scripts")
+SOURCE_FOLDERS = ("centroidkv", "eval", "baselines", "scripts", "hydra_plugins")
 
 
 def module_files(root: Path) -> dict[str, Path]:

@@ -306,33 +306,39 @@ def test_a_job_whose_every_record_failed_is_not_done(tmp_path):
 
     from eval.runner import config_yaml_of, run_job
 
-    # centroidkv at 0.1 cannot hold its 81 protected tokens in a ~300-token toy prompt
-    cfg, raw = run_cfg(tmp_path, ["method=centroidkv", "method.budget=0.1", "benchmark.n_samples=2"])
+    # centroidkv at 0.001 keeps no entry of a ~300-token toy prompt
+    cfg, raw = run_cfg(tmp_path, ["method=centroidkv", "method.budget=0.001", "benchmark.n_samples=2"])
     with pytest.raises(RuntimeError, match="none of the 2 records succeeded") as error:
         run_job(cfg, config_yaml_of(cfg, raw))
-    assert error.value.exit_code == 1 and "protected" in str(error.value)  # the CLI exits 1
+    assert error.value.exit_code == 1 and "no room for any token" in str(error.value)  # the CLI exits 1
     assert not JobStore(cfg.job_dir).finished
     with pytest.raises(RuntimeError, match="none of the 2 records succeeded"):  # not skipped: tried again
         run_job(cfg, config_yaml_of(cfg, raw))
 
 
 # ------------------------------------------------------------------- 5. protected windows vs budget
-def test_a_budget_too_small_for_the_protected_windows_fails_before_decoding():
-    """50-token prompt, budget 0.5, 100 new tokens: B = 75 < 81 protected tokens of centroidkv. The
-    prompt fits, the first compression comes during decoding: the error comes before any step."""
+def test_a_budget_too_small_for_the_protected_windows_shrinks_them_and_one_of_no_entry_fails_first():
+    """50-token prompt, 100 new tokens. Budget 0.5: B = 75 < 81 protected tokens of centroidkv; the
+    prompt fits, the first compression comes during decoding and keeps n_recent 75 - 16 - 1 = 58
+    (`centroidkv.budget.fit_protected`). Budget 0.005: B = 0, refused before any decoding step."""
     from centroidkv import load_model
     from centroidkv.decoding import generate_from, prefill
 
     model, _ = load_model("tiny-llama")
+    prefilled = prefill(model, torch.arange(1, 51).unsqueeze(0), 100)
+    shrunk = generate_from(
+        model, prefilled, "centroidkv", 0.5, 100, eos_token_ids=set(), budget_unit="entries"
+    )
+    assert len(shrunk.tokens[0]) == 100 and shrunk.n_compressions >= 1
+    assert (shrunk.n_sink_used, shrunk.n_recent_used) == (16, 58)
     forwards = []
     hook = model.register_forward_hook(lambda *args: forwards.append(1))
     try:
-        prefilled = prefill(model, torch.arange(1, 51).unsqueeze(0), 100)
-        with pytest.raises(ValueError, match="fewer than its 81 protected \\(n_sink 16 \\+ n_recent 64"):
-            generate_from(model, prefilled, "centroidkv", 0.5, 100, budget_unit="entries")
+        with pytest.raises(ValueError, match="keeps 0 entries: no room for any token"):
+            generate_from(model, prefilled, "centroidkv", 0.005, 100, budget_unit="entries")
     finally:
         hook.remove()
-    assert len(forwards) == 1  # the prefill only: no token was generated
+    assert not forwards  # no token was generated
     # 50 new tokens: B = 50 holds the prompt, and 99 entries stay under B + g - 1 = 113: never compresses
     result = generate_from(
         model, prefilled, "centroidkv", 0.5, 50, eos_token_ids=set(), budget_unit="entries"
@@ -340,19 +346,21 @@ def test_a_budget_too_small_for_the_protected_windows_fails_before_decoding():
     assert len(result.tokens[0]) == 50
 
 
-def test_a_budget_too_small_for_the_protected_windows_is_a_config_error(tmp_path):
+def test_a_budget_of_no_entry_is_a_config_error_and_one_short_of_the_protected_windows_is_not(tmp_path):
     from test_harness import composed
 
     from eval.config import build_run_config
 
-    overrides = ["benchmark=ruler", "benchmark.lengths=[1024,2048]", "methods=[full,centroidkv,snapkv]",
-                 "budgets=[0.05,0.5]"]  # fmt: skip
+    overrides = ["benchmark=ruler", "benchmark.lengths=[1024,2048]", "methods=[full,centroidkv,snapkv]"]
+    # 0.05: centroidkv keeps 5 entries of a 1024-token sample in bytes (its outlier heads take most of
+    # the budget), fewer than its 81 protected: it runs with shorter windows (fit_protected)
+    build_run_config(composed([*overrides, "budgets=[0.05,0.5]"]), "job")
     with pytest.raises(ConfigError) as error:
-        build_run_config(composed(overrides), "job")
+        build_run_config(composed([*overrides[:2], "methods=[full,snapkv]", "budgets=[0.0005,0.5]"]), "job")
     assert error.value.lines == [
-        "budgets: centroidkv@0.05 on a 1024-token ruler sample (budget_unit=bytes) keeps 5 entries, fewer "
-        "than its 81 protected (n_sink 16 + n_recent 64 + 1); raise the budget or lower n_sink/n_recent"
-    ]  # in bytes its outlier heads (4.4 % of the heads) take most of 0.05; snapkv protects 33: 51 hold them
+        "budgets: snapkv@0.0005 on a 1024-token ruler sample (budget_unit=bytes) keeps 0 entries: no room "
+        "for any token; raise the budget"
+    ]
 
 
 # -------------------------------------------------------------------------------- 6. small ones

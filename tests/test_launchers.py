@@ -157,3 +157,20 @@ def test_a_job_locked_while_the_sweep_launches_is_one_line_and_no_job_outlives_t
     assert not (locked / "records.jsonl").exists()  # the locked job wrote nothing
     found = scan_records(sibling / "records.jsonl")
     assert (sibling / "done.json").exists() and len(found.records) == n_sibling and found.n_dropped == 0
+
+
+@needs_submitit
+def test_the_launchers_eval_sweep_names_are_the_plugins_sweepjobs_classes():
+    """eval.sweep names our launchers by their Hydra `_target_` (it does not import the plugin module,
+    which imports it: no circle); each name is a launcher of the plugin module, with SweepJobs.
+    Classes are compared by name: Hydra's plugin scan in an earlier test may import a module anew."""
+    import importlib
+
+    from eval.sweep import SWEEP_LAUNCHERS, SWEEP_LAUNCHERS_MODULE
+
+    module = importlib.import_module(SWEEP_LAUNCHERS_MODULE)
+    plugin = "hydra_plugins.hydra_submitit_launcher.submitit_launcher"
+    expected = {"submitit_local": f"{plugin}.LocalLauncher", "submitit_slurm": f"{plugin}.SlurmLauncher"}
+    for name, class_name in SWEEP_LAUNCHERS.items():
+        bases = {f"{base.__module__}.{base.__qualname__}" for base in getattr(module, class_name).__mro__}
+        assert {"eval.sweep.SweepJobs", expected[name]} <= bases, name

@@ -228,3 +228,41 @@ def test_a_plugin_package_is_found_through_the_entry_point(tmp_path):
         timeout=120,
     )
     assert without.returncode == 0 and "plugin_every_other" not in without.stdout
+
+
+def test_methods_and_benchmarks_refuse_a_taken_name_in_the_same_form():
+    """One registry type (`centroidkv.registry.Registry`) for both: a second class under a taken name
+    is refused with one line naming both classes, and the first stays; the same class again is fine."""
+    from dataclasses import dataclass
+
+    from centroidkv.methods import Method, register
+    from eval.benchmarks import REGISTRY as BENCHMARKS
+    from eval.benchmarks import Benchmark, benchmark_names, register_benchmark
+
+    method_names()
+    benchmark_names()
+
+    @dataclass
+    class OtherCentroidKV(Method):
+        name = "centroidkv"
+
+    @dataclass(frozen=True)
+    class OtherToy(Benchmark):
+        name = "toy"
+
+    here = f"{__name__}.test_methods_and_benchmarks_refuse_a_taken_name_in_the_same_form.<locals>"
+    with pytest.raises(ValueError) as method_error:
+        register(OtherCentroidKV)
+    with pytest.raises(ValueError) as benchmark_error:
+        register_benchmark(OtherToy)
+    assert str(method_error.value) == (
+        f"method name 'centroidkv' is taken by centroidkv.centroidkv.CentroidKV; {here}.OtherCentroidKV "
+        "needs another name"
+    )
+    assert str(benchmark_error.value) == (
+        f"benchmark name 'toy' is taken by eval.benchmarks.toy.Toy; {here}.OtherToy needs another name"
+    )
+    assert REGISTRY["centroidkv"].__module__ == "centroidkv.centroidkv"
+    assert BENCHMARKS["toy"].__module__ == "eval.benchmarks.toy"
+    assert register(REGISTRY["centroidkv"]) is REGISTRY["centroidkv"]  # a module imported twice
+    assert register_benchmark(BENCHMARKS["toy"]) is BENCHMARKS["toy"]

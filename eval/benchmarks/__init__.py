@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
+from centroidkv.registry import Registry
+
 Sample = dict[str, Any]
 
 ENTRY_POINT_GROUP = "centroidkv.benchmarks"
@@ -235,13 +237,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-REGISTRY: dict[str, type[Benchmark]] = {}
+REGISTRY: Registry[type[Benchmark]] = Registry("benchmark")
 
 
 def register_benchmark(cls: type[Benchmark]) -> type[Benchmark]:
-    """Class decorator: make a benchmark available as `benchmark=<cls.name>`."""
-    REGISTRY[cls.name] = cls
-    return cls
+    """Class decorator: make a benchmark available as `benchmark=<cls.name>`; a name taken by another
+    class is refused, as for methods (`centroidkv.registry.Registry`)."""
+    return REGISTRY.register(cls)
 
 
 def _discover() -> None:
