@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,11 @@ def schema_path() -> Path:
 
 def config_schema() -> dict[str, Any]:
     """The schema, from its cache when the fingerprint matches, else built and cached again (a cache
-    that cannot be written is only slower)."""
+    that cannot be written is only slower). A process that has imported the method registry already
+    reads it directly and writes no cache: it may hold methods registered at run time (a test's, a
+    notebook's), which the next process would not have."""
+    if "centroidkv.methods" in sys.modules:
+        return build_schema()
     key = fingerprint()
     path = schema_path()
     try:
