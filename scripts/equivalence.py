@@ -93,10 +93,12 @@ def jobs(quick: bool) -> list[tuple[str, list[str]]]:
     return found
 
 
-def run(out: Path, quick: bool) -> int:
+def run(out: Path, quick: bool, only: str = "") -> int:
     out.mkdir(parents=True, exist_ok=True)
     script = Path(__file__).resolve().parent / "run.py"
     for name, overrides in jobs(quick):
+        if not name.startswith(only):
+            continue
         print(f"[equivalence] {name}", flush=True)
         command = [sys.executable, str(script), *overrides, f"results_dir={out / name}"]
         if subprocess.run(command).returncode != 0:
@@ -151,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = sub.add_parser("run", help="run the equivalence set into a folder")
     run_parser.add_argument("out", type=Path)
     run_parser.add_argument("--quick", action="store_true", help="tiny models only")
+    run_parser.add_argument("--only", default="", help="only the jobs whose name starts with this")
     compare_parser = sub.add_parser("compare", help="compare two records.jsonl written by `run`")
     compare_parser.add_argument("old", type=Path)
     compare_parser.add_argument("new", type=Path)
     compare_parser.add_argument("--ignore", action="append", default=[], help="a field not to compare")
     args = parser.parse_args(argv)
     if args.command == "run":
-        return run(args.out, args.quick)
+        return run(args.out, args.quick, args.only)
     return compare(args.old, args.new, args.ignore)
 
 
