@@ -43,7 +43,7 @@ def check_budget(budget: object) -> float:
 
 def check_budget_unit(unit: str) -> None:
     if unit not in BUDGET_UNITS:
-        raise ValueError(f"budget_unit must be one of {', '.join(BUDGET_UNITS)}, got {unit!r}")
+        raise ValueError(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {unit!r}")
 
 
 def solve_entries(stored_bytes: Callable[[int], int], target_bytes: int, upper: int) -> int:

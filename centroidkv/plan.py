@@ -45,7 +45,13 @@ from centroidkv.decoding import (
 )
 from centroidkv.methods import Method
 from centroidkv.needs import RECORDERS
-from centroidkv.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, PROTOCOLS  # noqa: F401
+from centroidkv.run_options import (  # noqa: F401
+    CONTEXT_ONLY,
+    DEFAULT_DECODE_BATCH,
+    FULL_PROMPT,
+    PROTOCOLS,
+    check_decode_batch,
+)
 
 
 class PrefillRun(Protocol):
@@ -134,6 +140,7 @@ def run(
     module's docstring). A failing prefill raises (every run of the prompt fails with it); a failing
     run keeps its error in its outcome and the others go on. `on_outcome(i, outcome)` is called as
     soon as run i's outcome is final (e.g. to print each answer when it is ready)."""
+    check_decode_batch(decode_batch)
     eos = default_eos(model) if eos_token_ids is None else eos_token_ids
     device = next(model.parameters()).device
 

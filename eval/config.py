@@ -16,21 +16,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from centroidkv.budget import (
-    BUDGET_UNITS,
     DEFAULT_BUDGET_UNIT,
     budget_entries,
     check_budget,
+    check_budget_unit,
     fit_protected,
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
-from centroidkv.run_options import DEFAULT_DECODE_BATCH
+from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LOGGERS = ("wandb", "none")
+LOGGER_MODES = ("auto", "offline", "online")
 DTYPES = ("float32", "bfloat16", "float16")
 BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references and ~25 numbers
 
@@ -65,6 +66,29 @@ class ModelConfig:
         dtype = self.dtype or str(default_dtype(device)).removeprefix("torch.")
         return device, dtype
 
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> tuple[ModelConfig, list[str]]:
+        """The `model` node as a ModelConfig, and one line per bad value."""
+        from centroidkv.models import check_model_name
+
+        errors = []
+        name, dtype, device = raw.get("name"), raw.get("dtype"), raw.get("device")
+        try:  # a known name, or a random-* model with a depth (random-llama3.1-8b:2)
+            check_model_name(name)
+        except ValueError as error:
+            errors.append(f"model.name: {error}")
+        if dtype is not None and dtype not in DTYPES:
+            errors.append(f"model.dtype: must be one of {', '.join(DTYPES)} or null, got {dtype!r}")
+        if device is not None:
+            if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+                errors.append(f"model.device: must be cpu, cuda or cuda:N, got {device!r}")
+            elif device.startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():
+                    errors.append(f"model.device: {device} requested but no CUDA device is available")
+        return cls(name=str(name), dtype=dtype, device=device), errors
+
 
 @dataclass(frozen=True, eq=True)
 class MethodSpec:
@@ -98,6 +122,19 @@ class LoggerConfig:
     name: str
     project: str = "centroidkv"
     mode: str = "auto"  # auto: online when W&B is configured, offline otherwise
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> tuple[LoggerConfig, list[str]]:
+        """The `logger` node as a LoggerConfig, and one line per bad value."""
+        errors = []
+        if raw.get("name") not in LOGGERS:
+            errors.append(f"logger.name: must be one of {', '.join(LOGGERS)}, got {raw.get('name')!r}")
+        mode = raw.get("mode", "auto")
+        if mode not in LOGGER_MODES:
+            errors.append(f"logger.mode: must be one of {', '.join(LOGGER_MODES)}, got {mode!r}")
+        return cls(
+            name=str(raw.get("name")), project=str(raw.get("project", "centroidkv")), mode=mode
+        ), errors
 
 
 @dataclass(frozen=True)
@@ -387,7 +424,6 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig
     of the job `job` (the command line names it from its overrides: `named_job`)."""
     from centroidkv import get_method
-    from centroidkv.models import check_model_name
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
@@ -397,26 +433,9 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         if isinstance(raw.get(node), dict):
             errors.extend(_unknown_keys(raw[node], keys, f"{node}."))
 
-    # --- model ---
-    model_raw = raw.get("model") or {}
-    model_name = model_raw.get("name")
-    try:  # a known name, or a random-* model with a depth (random-llama3.1-8b:2)
-        check_model_name(model_name)
-    except ValueError as error:
-        errors.append(f"model.name: {error}")
-    dtype = model_raw.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        errors.append(f"model.dtype: must be one of {', '.join(DTYPES)} or null, got {dtype!r}")
-    device = model_raw.get("device")
-    if device is not None:
-        if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-            errors.append(f"model.device: must be cpu, cuda or cuda:N, got {device!r}")
-        elif device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                errors.append(f"model.device: {device} requested but no CUDA device is available")
-    model = ModelConfig(name=str(model_name), dtype=dtype, device=device)
+    model, model_errors = ModelConfig.parse(raw.get("model") or {})
+    errors.extend(model_errors)
+    model_name = model.name
 
     # --- methods x budgets ---
     method_raw = raw.get("method") or {}
@@ -457,16 +476,8 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
     errors.extend(benchmark_errors)
 
-    # --- logger, run ---
-    logger_raw = raw.get("logger") or {"name": "none"}
-    if logger_raw.get("name") not in LOGGERS:
-        errors.append(f"logger.name: must be one of {', '.join(LOGGERS)}, got {logger_raw.get('name')!r}")
-    mode = logger_raw.get("mode", "auto")
-    if mode not in ("auto", "offline", "online"):
-        errors.append(f"logger.mode: must be auto, offline or online, got {mode!r}")
-    logger = LoggerConfig(
-        name=str(logger_raw.get("name")), project=str(logger_raw.get("project", "centroidkv")), mode=mode
-    )
+    logger, logger_errors = LoggerConfig.parse(raw.get("logger") or {"name": "none"})
+    errors.extend(logger_errors)
     experiment = raw.get("experiment_name")
     if (
         not isinstance(experiment, str)
@@ -485,11 +496,12 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         if not isinstance(raw.get(key, False), bool):
             errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")
     decode_batch = raw.get("decode_batch", DEFAULT_DECODE_BATCH)
-    if isinstance(decode_batch, bool) or not isinstance(decode_batch, int) or decode_batch < 1:
-        errors.append(f"decode_batch: must be an integer >= 1, got {decode_batch!r}")
     budget_unit = raw.get("budget_unit", DEFAULT_BUDGET_UNIT)
-    if budget_unit not in BUDGET_UNITS:
-        errors.append(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {budget_unit!r}")
+    for check, value in ((check_decode_batch, decode_batch), (check_budget_unit, budget_unit)):
+        try:
+            check(value)
+        except ValueError as error:
+            errors.append(str(error))
     if not errors:
         errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit))
     if errors:
