@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the JSON to write (None: <cache dir>/outlier_heads/<model>[.<score>].json, read by heads_file=<score>)",
     )
     args = parser.parse_args(argv)
+    from centroidkv.budget import check_budget
     from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
 
     try:  # every bad value is one line and exit code 2, before the model loads
@@ -227,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         name = canonical_model_name(args.model)
         if name in TINY_MODELS:
             raise ValueError("tiny models have no tokenizer to calibrate on")
-        if not 0 < args.budget <= 1 or not 0 <= args.fraction <= 1:
-            raise ValueError("--budget must be in (0, 1] and --fraction in [0, 1]")
+        check_budget(args.budget)
+        if not 0 <= args.fraction <= 1:
+            raise ValueError(f"--fraction must be in [0, 1], got {args.fraction!r}")
         if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
             raise ValueError("--prompts and --tokens must be >= 1")
         check_window_fits(args.budget, args.tokens)
