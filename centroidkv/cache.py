@@ -108,6 +108,7 @@ class CompressedLayer(DynamicLayer):
         self.favoured: CompressedLayer | None = None  # their own layer, compressed to boost x B
         self.is_favoured = False  # this layer is another layer's `favoured` group
         self.scaling: float = 1.0
+        self.query_group = 1  # query heads per KV head (set by the first attention call)
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
         self.n_compressions = 0
@@ -211,6 +212,13 @@ class CompressedLayer(DynamicLayer):
         self._buffers[slot] = (buffer, live)
         self._set(slot, live)
 
+    def _drop_stale_buffer(self, slot: str) -> None:
+        """Forget the buffer of `slot` once the slot holds another tensor (a record recomputed out of
+        place): the buffer would otherwise stay allocated, uncounted by `kv_capacity_bytes`."""
+        held = self._buffers.get(slot)
+        if held is not None and held[1] is not self._get(slot):
+            del self._buffers[slot]
+
     def _capacity(self, slot: str, needed: int, first: bool) -> int:
         """Entries to allocate for `slot` when `needed` no longer fit (headroom rules: module docstring).
 
@@ -231,7 +239,8 @@ class CompressedLayer(DynamicLayer):
         for tensor in self._own_tensors():
             backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
             total += backing.numel() * backing.element_size()
-        return total
+        records = [*self.windows.values(), self.compressed_heads, self.whole_heads, self.favoured_heads]
+        return total + sum(t.numel() * t.element_size() for t in records if t is not None)
 
     def get_seq_length(self) -> int:
         return self.n_seen
@@ -288,9 +297,12 @@ class CompressedLayer(DynamicLayer):
 
     def stored_tensors(self) -> list[Tensor]:
         """Everything this layer stores for its method: entries, degrees, entry records, whole heads,
-        the favoured heads' layer."""
+        window records (e.g. SnapKV's query window), the ids of its head groups, and the favoured
+        heads' layer."""
         favoured = self.favoured.stored_tensors() if self.favoured is not None else []
-        return self._own_tensors() + favoured
+        heads = [self.compressed_heads, self.whole_heads, self.favoured_heads]
+        groups = [ids for ids in heads if ids is not None]
+        return self._own_tensors() + list(self.windows.values()) + groups + favoured
 
     def _own_tensors(self) -> list[Tensor]:
         parts = [
@@ -322,14 +334,23 @@ class CompressedLayer(DynamicLayer):
         the attention function computes alongside its output when the cache tracks attention.
         """
         self.scaling = scaling
+        if (
+            self.compressed_heads is None
+            and self.keys is not None
+            and self.keys.dim() == 4
+            and self.keys.shape[1]
+        ):
+            self.query_group = query.shape[1] // self.keys.shape[1]
         for name, window in self.owner.window_needs.items():
-            self.windows[name] = RECORDERS[name].after_attention(self.windows.get(name), query, None)[
-                :, :, -window:
-            ]
+            # a copy: a slice would keep the whole tensor it was cut from (the prompt's queries) alive
+            self.windows[name] = (
+                RECORDERS[name].after_attention(self.windows.get(name), query, None)[:, :, -window:].clone()
+            )
         for name in self.owner.entry_needs:
             if RECORDERS[name].uses_received and received is None:
                 raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
             self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)
+            self._drop_stale_buffer(f"extras.{name}")
         if self.needs_compression():
             self.compress()
 
@@ -377,7 +398,7 @@ class CompressedLayer(DynamicLayer):
         group.extras = {name: record[:, heads] for name, record in self.extras.items()}
         n_heads = self.keys.shape[1]
         group.windows = {name: query_rows(window, heads, n_heads) for name, window in self.windows.items()}
-        for attr in ("scaling", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
+        for attr in ("scaling", "query_group", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
             setattr(group, attr, getattr(self, attr))
         return group
 
@@ -456,6 +477,7 @@ class CompressedLayer(DynamicLayer):
             "favoured_heads",
             "is_favoured",
             "scaling",
+            "query_group",
             "n_seen",
             "prompt_len",
         ):
@@ -478,7 +500,9 @@ class CompressedLayer(DynamicLayer):
                     f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not keep; "
                     + FORK_NEEDS_FIX
                 )
-            twin.windows[name] = self.windows[name][:, :, -window:]
+            # the fork's own copy: a view would keep the source's whole window (and, for the shared
+            # prefill, its storage) alive for as long as the fork lives (kv_bytes counts it)
+            twin.windows[name] = self.windows[name][:, :, -window:].clone()
         return twin
 
 
@@ -592,6 +616,16 @@ class CompressedCache(Cache):
         compressed_heads = [n_heads - len(listed.get(index, ())) for index in range(n_layers)]
         favoured_heads = [len(favoured.get(index, ())) for index in range(n_layers)]
         whole_bytes = batch * sum(map(len, whole.values())) * layer.n_seen * entry_bytes
+        # Stored whatever B is: the window records (the query heads of every KV head not kept whole)
+        # and the ids of the head groups of the layers whose heads are split (int64).
+        window_rows = sum(
+            layer.query_group * (n_heads - len(whole.get(index, ()))) for index in range(n_layers)
+        )
+        window_len = sum(self.window_needs.values())
+        fixed_bytes = batch * window_rows * window_len * head_dim * layer.dtype.itemsize
+        fixed_bytes += (
+            n_heads * torch.empty((), dtype=torch.long).element_size() * sum(map(bool, listed.values()))
+        )
         full_len = layer.prompt_len + self.max_new_tokens
         target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
         boost = self.method.heads_boost
@@ -603,7 +637,7 @@ class CompressedCache(Cache):
                 heads * min(layer.n_seen, favoured_len(length, boost, full_len))
                 for heads, length in zip(favoured_heads, per_layer, strict=True)
             )
-            return whole_bytes + compressed_entry_bytes * entries
+            return fixed_bytes + whole_bytes + compressed_entry_bytes * entries
 
         try:
             total = solve_entries(stored_bytes, target, upper=full_len)
@@ -711,6 +745,13 @@ class CompressedCache(Cache):
         """`kv_bytes()` over `reference_bytes()`: R, measured (right after a compression in bytes)."""
         reference = self.reference_bytes()
         return self.kv_bytes() / reference if reference else float("nan")
+
+    def allocated_ratio(self) -> float:
+        """`kv_capacity_bytes()` over `reference_bytes()`: the memory really allocated (the buffers'
+        decode headroom included) as a fraction of the budget's reference (`budget_ratio` counts the
+        live entries only)."""
+        reference = self.reference_bytes()
+        return self.kv_capacity_bytes() / reference if reference else float("nan")
 
     def kv_ratio(self) -> float:
         """Effective KV ratio: `kv_bytes()` over a full cache's bytes (what memory the budget really buys)."""

@@ -51,6 +51,9 @@ class Generation:
     budget_ratio: float  # right after compression: bytes stored / bytes of a full cache of n + Gamma tokens
     seq_lengths: list[int]  # entries per layer at the end
     n_compressions: int
+    # right after compression: bytes allocated (buffers with their decode headroom) / the budget's
+    # reference, beside budget_ratio (the live entries); nan where not measured
+    allocated_ratio: float = float("nan")
 
 
 class PrefillTap(Protocol):
@@ -152,6 +155,7 @@ class Fork:
     kv_bytes_compressed: int  # right after compression (and the fed tokens)
     kv_ratio: float
     budget_ratio: float  # right after compression, before the fed tokens
+    allocated_ratio: float = float("nan")  # the same moment: allocated bytes / the budget's reference
 
 
 @torch.inference_mode()
@@ -173,6 +177,7 @@ def start_fork(
     with timer.span() as compressing:
         cache = prefilled.cache.fork(method, budget, max_new_tokens, budget_unit=budget_unit)
     budget_ratio = cache.budget_ratio()  # before the question: what the compression kept
+    allocated_ratio = cache.allocated_ratio()
     token, feed_s = prefilled.first_token, 0.0
     if question_ids is not None and question_ids.shape[1]:
         with timer.span() as feeding, cache.paused():
@@ -189,6 +194,7 @@ def start_fork(
         cache.kv_bytes(),
         cache.kv_ratio(),
         budget_ratio,
+        allocated_ratio,
     )
 
 
@@ -267,6 +273,7 @@ def _generation(
         budget_ratio=fork.budget_ratio,
         seq_lengths=cache.seq_lengths(),
         n_compressions=cache.n_compressions,
+        allocated_ratio=fork.allocated_ratio,
     )
 
 

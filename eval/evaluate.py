@@ -271,6 +271,7 @@ class Evaluator:
             kv_bytes_final=result.kv_bytes,
             kv_ratio=result.kv_ratio,
             kv_budget_ratio=result.budget_ratio,
+            kv_allocated_ratio=_none_if_nan(result.allocated_ratio),
             kv_len=max(result.seq_lengths, default=0),
             n_compressions=result.n_compressions,
             peak_mem=peak,
