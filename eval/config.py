@@ -35,7 +35,8 @@ BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references a
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
 ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
-             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch")  # fmt: skip
+             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch",
+             "kv_precision")  # fmt: skip
 MODEL_KEYS = ("name", "dtype", "device")
 METHOD_KEYS = ("name", "budget", "params")
 LOGGER_KEYS = ("name", "project", "mode")
@@ -333,6 +334,7 @@ def build_run_config(
     `former_job`: the job's folder name before readable names (`former_job_name`); when only a folder
     of that name exists, the job keeps it (its results stay where they are and the job resumes)."""
     from centroidkv import get_method
+    from centroidkv.methods import method_variant
     from centroidkv.models import check_model_name
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
@@ -380,6 +382,8 @@ def build_run_config(
         if parsed is None:
             continue
         name, variant, params = parsed
+        if raw.get("kv_precision") is not None:  # the run's storage precision, unless the entry sets one
+            params.setdefault("kv_precision", raw["kv_precision"])
         try:
             method = get_method(name, **params)
             method.check_model(str(model_name))
@@ -387,7 +391,7 @@ def build_run_config(
             errors.append(f"method {variant or name}: {first_line(error)}")
             continue
         params = method.params()  # the full effective parameters, defaults included
-        variant = variant or type(method).variant_for(params)  # e.g. kvpress-TOVA for a press
+        variant = variant or method_variant(name, params)  # e.g. kvpress-TOVA, centroidkv-int8
         if variant in variants:
             errors.append(
                 f"methods: {variant!r} appears twice; give each entry of one method its own `variant`"
@@ -437,7 +441,7 @@ def build_run_config(
     if budget_unit not in BUDGET_UNITS:
         errors.append(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {budget_unit!r}")
     if not errors:
-        errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit))
+        errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit, model.resolved()[1]))
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
@@ -470,7 +474,7 @@ def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> 
 
 
 def _budget_errors(
-    specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str
+    specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str, dtype: str = "float32"
 ) -> list[str]:
     """One line per (variant, budget) that cannot run, found before any model loads:
     - in bytes, heads the method keeps whole (CentroidKV's outlier heads) that alone take the budget;
@@ -498,6 +502,10 @@ def _budget_errors(
             continue
         shortest = min(benchmark.lengths)
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
+        if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.quantization)
+            import torch
+
+            kept = method.storage.entries_in(kept, getattr(torch, dtype).itemsize)
         what = f"{spec.label} on a {shortest}-token {benchmark.name} sample (budget_unit={budget_unit})"
         try:
             check_protected_fit(kept, method.n_sink, method.n_recent, what)

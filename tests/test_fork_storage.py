@@ -8,6 +8,8 @@ ids) add up to `kv_bytes()`; none shares storage with the shared prefill; the st
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reachable(obj: object, seen: set[int] | None = None, buffers: bool = False) -> list[Tensor]:
-    """Every tensor held by a cache, its layers, their dicts and the favoured layers (distinct
+    """Every tensor held by a cache, its layers, their dicts, dataclasses and the favoured layers (distinct
     objects); with `buffers`, also the in-place buffers behind the live views."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
@@ -42,6 +44,8 @@ def reachable(obj: object, seen: set[int] | None = None, buffers: bool = False) 
         return [t for value in obj.values() for t in reachable(value, seen, buffers)]
     if isinstance(obj, (list, tuple)):
         return [t for value in obj for t in reachable(value, seen, buffers)]
+    if dataclasses.is_dataclass(obj):  # e.g. the packed codes of a quantized slot
+        return [t for value in vars(obj).values() for t in reachable(value, seen, buffers)]
     return []
 
 
