@@ -330,6 +330,8 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     One line per method or variant through its budgets, each point the average over tasks of the
     per-task means (only points that have every task) at the mean measured `kv_budget_ratio` (or
     `kv_ratio` in older records); the full cache is a dashed reference line with its own point.
+    When runs store their entries at several precisions (labels "CentroidKV @int8", `precision_suffix`),
+    the marker is the precision (`PRECISION_MARKERS`), so entries x bits make one Pareto picture.
     """
     paths = []
     for benchmark, part in df[df["ok"]].groupby("benchmark"):
@@ -337,6 +339,8 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         if avg.loc[avg["method"] != "full"].empty:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.6))
+        by_precision = avg["label"].map(label_precision)
+        precisions_shown = by_precision.nunique() > 1
         full = 0
         for (method, rank, label), rows in avg.groupby(["method", "label_rank", "label"], sort=False):
             if method == "full":
@@ -348,16 +352,32 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
                 full += 1
                 continue
             rows = rows.sort_values("kv")
-            ax.plot(rows["kv"], rows["score"], label=label, linewidth=1.4, markersize=6, **_style(rank))
+            style = _style(rank)
+            if precisions_shown:
+                style["marker"] = PRECISION_MARKERS[label_precision(label)]
+            ax.plot(rows["kv"], rows["score"], label=label, linewidth=1.4, markersize=6, **style)
         ax.set_xlabel("Measured KV ratio (bytes stored after compression / full cache of n + max new tokens)")
         ax.set_ylabel("Average score (0-100)")
         ax.set_xlim(left=0)
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
-        ax.set_title(f"{benchmark}: average score vs measured KV ratio\n{_subtitle(part)}", fontsize=10)
+        marker_note = " (marker: storage precision)" if precisions_shown else ""
+        ax.set_title(
+            f"{benchmark}: average score vs measured KV ratio{marker_note}\n{_subtitle(part)}", fontsize=10
+        )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
+
+
+# Storage precision -> marker in the score-vs-KV figure (centroidkv.quantization.PRECISIONS).
+PRECISION_MARKERS = {"model": "o", "bf16": "D", "fp16": "d", "int8": "s", "int4": "^", "int2": "v"}
+
+
+def label_precision(label: str) -> str:
+    """The storage precision a run's label names (" @int8", `precision_suffix`); "model" without one."""
+    suffix = label.rpartition(" @")[2] if " @" in label else "model"
+    return suffix if suffix in PRECISION_MARKERS else "model"
 
 
 def _is_number(value: Any) -> bool:

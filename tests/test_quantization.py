@@ -229,3 +229,33 @@ def test_int8_greedy_answer_equals_the_float_cache_s(embedded):
     assert "4827361" in tokenizer.decode(reference.tokens[0])
     # int8 codes of float32 values, with the newest 128 .. 159 of these ~640 tokens kept in float32
     assert quantized.kv_bytes_compressed < 0.5 * reference.kv_bytes_compressed
+
+
+# ------------------------------------------------------------------------------------------ bench
+def test_bench_decode_times_every_precision(capsys):
+    from scripts.bench_decode import main
+
+    main(
+        [
+            "--model",
+            "tiny-llama",
+            "--skip-decode",
+            "--skip-csm",
+            "--precision-lengths",
+            "300",
+            "--new-tokens",
+            "4",
+        ]
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["model", "bf16", "fp16", "int8", "int4", "int2"]
+    ratios = [float(row.split("|")[6]) for row in rows]  # the KV ratio falls with the bits
+    assert ratios[3] > ratios[4] > ratios[5] and ratios[0] > ratios[3]
+
+
+def test_bench_decode_refuses_an_unknown_precision():
+    from scripts.bench_decode import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--precisions", "int3"])
+    assert exit_.value.code == 2
