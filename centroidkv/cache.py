@@ -78,7 +78,7 @@ from centroidkv.heads import favoured_len
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
-from centroidkv.quantization import PackedCodes, StorageFormat, concat, dequantize, quantize
+from centroidkv.quantization import PackedCodes, StorageFormat, concat, dequantize, quantize, value_group
 
 # The slots whose entries a storage precision converts (`centroidkv.quantization`), and the axis of
 # their integer codes: keys per channel, values per token (KIVI).
@@ -213,7 +213,8 @@ class CompressedLayer(DynamicLayer):
             if live is None or live.dim() < 4:
                 continue
             packed = self.packed.get(slot)
-            if packed is not None and (packed.bits != storage.bits or packed.group > storage.group):
+            group = storage.group if axis == "channel" else value_group(storage.group, live.shape[-1])
+            if packed is not None and (packed.bits != storage.bits or packed.group != group):
                 live, packed = self.read(slot), None  # codes of another format: start again from floats
                 self.packed.pop(slot)
                 self._set(slot, live)

@@ -259,3 +259,21 @@ def test_bench_decode_refuses_an_unknown_precision():
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--precisions", "int3"])
     assert exit_.value.code == 2
+
+
+def test_a_fork_to_another_format_requantizes_from_floats(bf16_model):
+    """A fork of an int4 cache to int8 with another group, or back to the model's dtype, starts again
+    from the dequantized entries (codes of two formats are never mixed)."""
+    with torch.inference_mode():
+        prefilled = prefill(bf16_model, prompt(PROMPT_LEN), NEW_TOKENS)
+        int4 = prefilled.cache.fork(build("full", "int4"), 1.0, NEW_TOKENS)
+        int8 = int4.fork(build("full", "int8", kv_group=32), 1.0, NEW_TOKENS)
+        back = int4.fork(build("full", "model"), 1.0, NEW_TOKENS)
+    for source, layer in zip(int4.layers, int8.layers, strict=True):
+        assert layer.packed["keys"].bits == 8 and layer.packed["keys"].group == 32
+        restored = layer.read("keys").float()
+        assert (restored - source.read("keys").float()).abs().max() <= error_bound(
+            layer.packed["keys"]
+        ).max() + 0.02
+    assert not any(layer.packed for layer in back.layers)
+    assert torch.equal(back.layers[0].keys, int4.layers[0].read("keys"))
