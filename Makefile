@@ -48,7 +48,7 @@ RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,repr
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads precision
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
@@ -61,6 +61,15 @@ zoo: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=kvpress_zoo $(ARGS)
 	$(PYTHON) scripts/tables.py results/kvpress_zoo
 	$(PYTHON) scripts/figures.py results/kvpress_zoo --out paper_figures
+
+# Precision as a budget axis (configs/experiment/precision.yaml): KIVI-2/4, CentroidKV at 16 bits/int8/int4,
+# SnapKV and StreamingLLM at 16 bits/int4, at 1/4, 1/8, 1/16 of the bytes, on RULER then on NIAH.
+precision: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=precision $(ARGS)
+	$(PYTHON) scripts/run.py experiment=precision_niah $(ARGS)
+	$(PYTHON) scripts/tables.py results/precision
+	$(PYTHON) scripts/tables.py results/precision_niah
+	$(PYTHON) scripts/figures.py results/precision
 
 # LongBench from the hub, or LONGBENCH_DIR=<folder of LongBench jsonl files>; the paper used MODEL=llama3.1-8b.
 reproduce-longbench: $(STAMP)

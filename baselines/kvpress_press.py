@@ -434,6 +434,11 @@ class KVPress(Method):
                 f"{self.name}: presses compress inside kvpress's own hooks, which apply no head policy "
                 "(heads=none); native methods take heads=whole|budget"
             )
+        if self.kv_precision != "model":
+            raise ValueError(
+                f"{self.name}: kv_precision needs the harness's own cache; a press compresses in kvpress's "
+                "hooks and stores the model's dtype (kv_precision=model)"
+            )
         build_press(self.press, self.press_params, 0.5)  # every bad name or value fails here, before a run
 
     @classmethod

@@ -55,7 +55,9 @@ def degree_attention(
     layer = getattr(module, "kv_layer", None)
     if isinstance(layer, ForkBatchLayer):  # forks decoded together: each row with its own fork's entries
         rows = [
-            layer_attention(query[row : row + 1], fork.keys, fork.values, fork, scaling, dropout)
+            layer_attention(
+                query[row : row + 1], fork.read("keys"), fork.read("values"), fork, scaling, dropout
+            )
             for row, fork in enumerate(layer.forks)
         ]
         return torch.cat(rows), None
@@ -92,13 +94,20 @@ def layer_attention(
     )
     if favoured is None:
         other, _ = _group_attention(
-            other_q, layer.whole_keys, layer.whole_values, None, scaling, scale, dropout, False
+            other_q,
+            layer.read("whole_keys"),
+            layer.read("whole_values"),
+            None,
+            scaling,
+            scale,
+            dropout,
+            False,
         )
     else:
         other, other_received = _group_attention(
             other_q,
-            favoured.keys,
-            favoured.values,
+            favoured.read("keys"),
+            favoured.read("values"),
             favoured.log_degree,
             scaling,
             scale,

@@ -81,6 +81,11 @@ from centroidkv.heads import favoured_len
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
+from centroidkv.quantization import PackedCodes, StorageFormat, concat, dequantize, quantize, value_group
+
+# The slots whose entries a storage precision converts (`centroidkv.quantization`), and the axis of
+# their integer codes: keys per channel, values per token (KIVI).
+STORED_SLOTS = {"keys": "channel", "values": "token", "whole_keys": "channel", "whole_values": "token"}
 
 # How to fix a fork whose source cache did not record what the method needs (the end of that error).
 FORK_NEEDS_FIX = (
@@ -111,12 +116,16 @@ class CompressedLayer(DynamicLayer):
         self.favoured: CompressedLayer | None = None  # their own layer, compressed to boost x B
         self.is_favoured = False  # this layer is another layer's `favoured` group
         self.scaling: float = 1.0
+        self.query_group = 1  # query heads per KV head (set by the first attention call)
         self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
         self.prompt_len: int | None = None  # length of the first update (the prefill)
         self.n_compressions = 0
         self.protected_used: tuple[int, int] | None = None  # (n_sink, n_recent) of the last compression
         # attribute or "extras.<name>" -> (buffer, the live view of it last stored in that attribute)
         self._buffers: dict[str, tuple[Tensor, Tensor]] = {}
+        # Integer storage (`centroidkv.quantization`): slot -> the codes of its oldest entries; the slot's
+        # attribute then holds only the newest entries (the full-precision residual) after them.
+        self.packed: dict[str, PackedCodes] = {}
 
     @property
     def owner(self) -> CompressedCache:
@@ -135,6 +144,13 @@ class CompressedLayer(DynamicLayer):
 
     # --- transformers' layer interface -------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
+        """Store the new tokens; return this layer's keys and values for the attention (dequantized
+        when the storage is not the model's dtype)."""
+        self.add(key_states, value_states)
+        return self.read("keys"), self.read("values")
+
+    def add(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Store the new tokens' keys and values [B, H, q, D] (and their records)."""
         if self.owner.n_layers is None:
             raise RuntimeError(
                 "CompressedCache needs a model prepared by centroidkv (load_model or prepare_model): "
@@ -146,18 +162,20 @@ class CompressedLayer(DynamicLayer):
             self._append("whole_keys", key_states[:, self.whole_heads])
             self._append("whole_values", value_states[:, self.whole_heads])
         if self.favoured is not None:  # favoured heads grow in their own layer
-            self.favoured.update(key_states[:, self.favoured_heads], value_states[:, self.favoured_heads])
+            self.favoured.add(key_states[:, self.favoured_heads], value_states[:, self.favoured_heads])
         if self.compressed_heads is not None:
             key_states, value_states = (
                 key_states[:, self.compressed_heads],
                 value_states[:, self.compressed_heads],
             )
         batch, heads, new_tokens = key_states.shape[:3]
-        if self.keys.numel() == 0:  # the first tokens: keep the projections as they are, no copy
+        if self.length == 0:  # the first tokens: keep the projections as they are, no copy
             self.keys, self.values = key_states, value_states
         else:
             self._append("keys", key_states)
             self._append("values", value_states)
+        if self.owner.storage.precision != "model":
+            self.settle()
         if self.log_degree is not None:
             self._append("log_degree", key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32))
         for name in self.owner.entry_needs:
@@ -170,7 +188,71 @@ class CompressedLayer(DynamicLayer):
         if self.prompt_len is None:
             self.prompt_len = new_tokens
             self.check_planned_room()
-        return self.keys, self.values
+
+    # --- storage precision (centroidkv.quantization) ---------------------------------------------------
+    def read(self, slot: str) -> Tensor:
+        """The entries of `slot` ("keys", "values", "whole_keys", "whole_values") in the model's dtype:
+        the stored tensor itself at the model's precision, else a transient dequantized copy."""
+        live = self._get(slot)
+        packed = self.packed.get(slot)
+        if packed is None:
+            return live if live.dtype == self.dtype else live.to(self.dtype)
+        return torch.cat([dequantize(packed, self.dtype), live.to(self.dtype)], dim=2)
+
+    def slot_length(self, slot: str) -> int:
+        """Entries stored in `slot` (codes and residual)."""
+        live = self._get(slot)
+        packed = self.packed.get(slot)
+        return (0 if live is None or live.dim() < 4 else live.shape[2]) + (
+            0 if packed is None else packed.length
+        )
+
+    def settle(self) -> None:
+        """Bring every stored slot to the cache's storage format: the float dtype it names, or, for
+        integer codes, every whole group beyond the residual window quantized (KIVI's order: a token
+        leaves the full-precision residual a group at a time)."""
+        storage = self.owner.storage
+        for slot, axis in STORED_SLOTS.items():
+            live = self._get(slot)
+            if live is None or live.dim() < 4:
+                continue
+            packed = self.packed.get(slot)
+            group = storage.group if axis == "channel" else value_group(storage.group, live.shape[-1])
+            if packed is not None and (packed.bits != storage.bits or packed.group != group):
+                live, packed = self.read(slot), None  # codes of another format: start again from floats
+                self.packed.pop(slot)
+                self._set(slot, live)
+            if not storage.integer:
+                dtype = storage.float_dtype or self.dtype
+                if live.dtype != dtype:
+                    self._set(slot, live.to(dtype))
+                    self._buffers.pop(slot, None)
+                continue
+            if live.dtype != self.dtype:
+                live = live.to(self.dtype)
+                self._set(slot, live)
+            moved = storage.quantized_length(live.shape[2])
+            if moved:
+                self.packed[slot] = concat(
+                    packed, quantize(live[:, :, :moved], storage.bits, storage.group, axis)
+                )
+                self._keep_residual(slot, live[:, :, moved:])
+        if self.favoured is not None:
+            self.favoured.settle()
+
+    def _keep_residual(self, slot: str, residual: Tensor) -> None:
+        """Store `residual` (a view into a larger tensor) in a buffer of its own with room for the
+        tokens decoded until its next group is quantized."""
+        if not self.owner.in_place:
+            self._set(slot, residual.clone())
+            self._buffers.pop(slot, None)
+            return
+        length = residual.shape[2]
+        buffer = residual.new_empty(
+            *residual.shape[:2], self._capacity(slot, length, first=False), *residual.shape[3:]
+        )
+        buffer[:, :, :length] = residual
+        self._store(slot, buffer, length)
 
     def check_planned_room(self) -> None:
         """Raise now (one line) when the generation this cache was planned for (the prompt plus
@@ -215,11 +297,21 @@ class CompressedLayer(DynamicLayer):
         self._buffers[slot] = (buffer, live)
         self._set(slot, live)
 
+    def _drop_stale_buffer(self, slot: str) -> None:
+        """Forget the buffer of `slot` once the slot holds another tensor (a record recomputed out of
+        place): the buffer would otherwise stay allocated, uncounted by `kv_capacity_bytes`."""
+        held = self._buffers.get(slot)
+        if held is not None and held[1] is not self._get(slot):
+            del self._buffers[slot]
+
     def _capacity(self, slot: str, needed: int, first: bool) -> int:
         """Entries to allocate for `slot` when `needed` no longer fit (headroom rules: module docstring).
 
         `first`: the slot has no buffer of its own yet (e.g. the first step after a fork)."""
-        method = self.owner.method
+        method, storage = self.owner.method, self.owner.storage
+        if storage.integer and slot in STORED_SLOTS:
+            # the residual: it holds residual .. residual + group - 1 entries between quantizations
+            return max(needed, storage.residual + storage.group)
         if method.compresses and self.prompt_len is not None and not slot.startswith("whole_"):
             # compressed entries: room for the g tokens decoded before the next compression
             return max(self.budget_len, needed) + method.compress_interval
@@ -235,7 +327,8 @@ class CompressedLayer(DynamicLayer):
         for tensor in self._own_tensors():
             backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
             total += backing.numel() * backing.element_size()
-        return total
+        records = [*self.windows.values(), self.compressed_heads, self.whole_heads, self.favoured_heads]
+        return total + sum(t.numel() * t.element_size() for t in records if t is not None)
 
     def get_seq_length(self) -> int:
         return self.n_seen
@@ -260,6 +353,7 @@ class CompressedLayer(DynamicLayer):
             tensor = getattr(self, attr)
             if tensor is not None and tensor.numel() > 0:
                 setattr(self, attr, fn(tensor))
+        self.packed = {slot: packed.map(fn) for slot, packed in self.packed.items()}
         for records in (self.extras, self.windows):
             for name, tensor in records.items():
                 records[name] = fn(tensor)
@@ -275,14 +369,16 @@ class CompressedLayer(DynamicLayer):
     @property
     def length(self) -> int:
         """Entries per compressed head (the heads kept whole hold `n_seen`)."""
-        return 0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[-2]
+        return self.slot_length("keys")
 
     def head_lengths(self) -> list[int]:
         """Entries per KV head, in head order."""
         if self.compressed_heads is None:
             return [self.length] * (0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[1])
         other = self.whole_heads if self.whole_heads is not None else self.favoured_heads
-        other_length = self.whole_keys.shape[2] if self.whole_heads is not None else self.favoured.length
+        other_length = (
+            self.slot_length("whole_keys") if self.whole_heads is not None else self.favoured.length
+        )
         lengths = [0] * (len(self.compressed_heads) + len(other))
         for head in self.compressed_heads.tolist():
             lengths[head] = self.length
@@ -292,9 +388,12 @@ class CompressedLayer(DynamicLayer):
 
     def stored_tensors(self) -> list[Tensor]:
         """Everything this layer stores for its method: entries, degrees, entry records, whole heads,
-        the favoured heads' layer."""
+        window records (e.g. SnapKV's query window), the ids of its head groups, and the favoured
+        heads' layer."""
         favoured = self.favoured.stored_tensors() if self.favoured is not None else []
-        return self._own_tensors() + favoured
+        heads = [self.compressed_heads, self.whole_heads, self.favoured_heads]
+        groups = [ids for ids in heads if ids is not None]
+        return self._own_tensors() + list(self.windows.values()) + groups + favoured
 
     def _own_tensors(self) -> list[Tensor]:
         parts = [
@@ -304,6 +403,7 @@ class CompressedLayer(DynamicLayer):
             *self.extras.values(),
             self.whole_keys,
             self.whole_values,
+            *(t for packed in self.packed.values() for t in packed.tensors()),
         ]
         return [t for t in parts if t is not None]
 
@@ -317,7 +417,7 @@ class CompressedLayer(DynamicLayer):
     def degrees_or_zeros(self) -> Tensor:
         if self.log_degree is not None:
             return self.log_degree
-        return self.keys.new_zeros(self.keys.shape[:3], dtype=torch.float32)
+        return self.keys.new_zeros(*self.keys.shape[:2], self.length, dtype=torch.float32)
 
     def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
         """Called by the attention function once this layer's attention output is computed.
@@ -326,14 +426,23 @@ class CompressedLayer(DynamicLayer):
         the attention function computes alongside its output when the cache tracks attention.
         """
         self.scaling = scaling
+        if (
+            self.compressed_heads is None
+            and self.keys is not None
+            and self.keys.dim() == 4
+            and self.keys.shape[1]
+        ):
+            self.query_group = query.shape[1] // self.keys.shape[1]
         for name, window in self.owner.window_needs.items():
-            self.windows[name] = RECORDERS[name].after_attention(self.windows.get(name), query, None)[
-                :, :, -window:
-            ]
+            # a copy: a slice would keep the whole tensor it was cut from (the prompt's queries) alive
+            self.windows[name] = (
+                RECORDERS[name].after_attention(self.windows.get(name), query, None)[:, :, -window:].clone()
+            )
         for name in self.owner.entry_needs:
             if RECORDERS[name].uses_received and received is None:
                 raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
             self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)
+            self._drop_stale_buffer(f"extras.{name}")
         if self.needs_compression():
             self.compress()
 
@@ -361,9 +470,15 @@ class CompressedLayer(DynamicLayer):
         if policy == "whole":
             self.whole_heads = other
             self.whole_keys, self.whole_values = self.keys[:, other], self.values[:, other]
+            for slot in ("keys", "values"):
+                if slot in self.packed:
+                    self.packed[f"whole_{slot}"] = self.packed[slot].heads(other)
         else:
             self.favoured_heads, self.favoured = other, self._group_layer(other)
         self.keys, self.values = self.keys[:, self.compressed_heads], self.values[:, self.compressed_heads]
+        for slot in ("keys", "values"):
+            if slot in self.packed:
+                self.packed[slot] = self.packed[slot].heads(self.compressed_heads)
         if self.log_degree is not None:
             self.log_degree = self.log_degree[:, self.compressed_heads]
         self.extras = {name: record[:, self.compressed_heads] for name, record in self.extras.items()}
@@ -377,11 +492,14 @@ class CompressedLayer(DynamicLayer):
         group = CompressedLayer(self.owner, self.layer_idx)
         group.is_favoured = True
         group.keys, group.values = self.keys[:, heads], self.values[:, heads]
+        group.packed = {
+            slot: self.packed[slot].heads(heads) for slot in ("keys", "values") if slot in self.packed
+        }
         group.log_degree = None if self.log_degree is None else self.log_degree[:, heads]
         group.extras = {name: record[:, heads] for name, record in self.extras.items()}
         n_heads = self.keys.shape[1]
         group.windows = {name: query_rows(window, heads, n_heads) for name, window in self.windows.items()}
-        for attr in ("scaling", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
+        for attr in ("scaling", "query_group", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
             setattr(group, attr, getattr(self, attr))
         return group
 
@@ -401,9 +519,12 @@ class CompressedLayer(DynamicLayer):
         self.protected_used = (n_sink, n_recent)
         middle = slice(n_sink, length - n_recent)
         log_degree = self.degrees_or_zeros()
+        # A merge or eviction works on the entries in the model's dtype (dequantized when the storage
+        # is not); the result is stored in the storage format again (`settle`, below).
+        keys, values = self.read("keys"), self.read("values")
         segment = LayerKV(
-            self.keys[:, :, middle],
-            self.values[:, :, middle],
+            keys[:, :, middle],
+            values[:, :, middle],
             log_degree[:, :, middle],
             {name: record[:, :, middle] for name, record in self.extras.items()},
         )
@@ -412,7 +533,7 @@ class CompressedLayer(DynamicLayer):
             n_layers=self.owner.n_layers,
             scaling=self.scaling,
             windows=self.windows,
-            keys=self.keys,
+            keys=keys,
             log_degree=log_degree,
             middle=middle,
             rotary=self.owner.rotary,
@@ -432,13 +553,17 @@ class CompressedLayer(DynamicLayer):
             buffer[:, :, budget - n_recent : budget] = full[:, :, length - n_recent :]
             self._store(slot, buffer, budget)
 
-        splice("keys", self.keys, kept.keys)
-        splice("values", self.values, kept.values)
+        self.packed.pop("keys", None)
+        self.packed.pop("values", None)
+        splice("keys", keys, kept.keys)
+        splice("values", values, kept.values)
         if method.merges or self.log_degree is not None:
             splice("log_degree", log_degree, kept.log_degree)
         for name, record in list(self.extras.items()):
             splice(f"extras.{name}", record, kept.extras[name])
         self.n_compressions += 1
+        if self.owner.storage.precision != "model":
+            self.settle()
 
     def protected_windows(self) -> tuple[int, int]:
         """(n_sink, n_recent) this layer's compressions keep: the method's, shrunk to the budget when it
@@ -466,10 +591,12 @@ class CompressedLayer(DynamicLayer):
             "favoured_heads",
             "is_favoured",
             "scaling",
+            "query_group",
             "n_seen",
             "prompt_len",
         ):
             setattr(twin, attr, getattr(self, attr))
+        twin.packed = dict(self.packed)  # codes are never modified in place: shared until replaced
         if self.favoured is not None:
             twin.favoured = self.favoured.fork(owner)
         twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
@@ -477,7 +604,8 @@ class CompressedLayer(DynamicLayer):
             if name in self.extras:
                 twin.extras[name] = self.extras[name]
             elif RECORDERS[name].rebuildable and self.length == self.n_seen and self.compressed_heads is None:
-                twin.extras[name] = RECORDERS[name].initial(0, tuple(self.keys.shape[:3]), self.keys.device)
+                shape = (*self.keys.shape[:2], self.length)
+                twin.extras[name] = RECORDERS[name].initial(0, shape, self.keys.device)
             else:
                 raise ValueError(
                     f"{owner.method.name} needs {name!r}, which the source cache did not record; {FORK_NEEDS_FIX}"
@@ -488,7 +616,9 @@ class CompressedLayer(DynamicLayer):
                     f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not keep; "
                     + FORK_NEEDS_FIX
                 )
-            twin.windows[name] = self.windows[name][:, :, -window:]
+            # the fork's own copy: a view would keep the source's whole window (and, for the shared
+            # prefill, its storage) alive for as long as the fork lives (kv_bytes counts it)
+            twin.windows[name] = self.windows[name][:, :, -window:].clone()
         return twin
 
 
@@ -543,6 +673,7 @@ class CompressedCache(Cache):
         self.compression_enabled = True
         self.in_place = in_place
         self.budget_unit = budget_unit
+        self.storage: StorageFormat = method.storage  # how keys and values are stored (quantization)
         self._byte_plan: tuple[tuple[int, int], list[int]] | None = None  # (key, entries per layer)
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
@@ -592,27 +723,53 @@ class CompressedCache(Cache):
         Layers are alike (heads, head size, dtype), so `layer` describes them all."""
         batch, _, _, head_dim = layer.keys.shape
         n_heads = len(self.layers[layer.layer_idx].head_lengths())  # every KV head of a layer
-        entry_bytes = 2 * head_dim * layer.keys.element_size()  # a key and a value of one head
+        entry_bytes = 2 * head_dim * layer.dtype.itemsize  # a key and a value of one head, model dtype
         n_records = len(self.entry_needs) + (1 if self.method.merges else 0)  # + the log-degree
-        compressed_entry_bytes = batch * (entry_bytes + RECORD_BYTES * n_records)
+        storage = self.storage
+        quantized_entry = storage.entry_bytes(head_dim, layer.dtype.itemsize, quantized=True)
+        stored_entry = storage.entry_bytes(head_dim, layer.dtype.itemsize, quantized=False)
+
+        def head_bytes(length: int) -> float:
+            """Keys, values (codes and residual, in the storage format) and records of one head."""
+            codes = storage.quantized_length(length)
+            return (
+                codes * quantized_entry + (length - codes) * stored_entry + RECORD_BYTES * n_records * length
+            )
+
         listed, whole = self.heads_listed(), self.heads_kept_whole()
         favoured = {} if whole else listed
         n_layers = self.n_layers
         compressed_heads = [n_heads - len(listed.get(index, ())) for index in range(n_layers)]
         favoured_heads = [len(favoured.get(index, ())) for index in range(n_layers)]
-        whole_bytes = batch * sum(map(len, whole.values())) * layer.n_seen * entry_bytes
+        whole_bytes = (
+            batch
+            * sum(map(len, whole.values()))
+            * (head_bytes(layer.n_seen) - RECORD_BYTES * n_records * layer.n_seen)
+        )
+        # Stored whatever B is: the window records (the query heads of every KV head not kept whole)
+        # and the ids of the head groups of the layers whose heads are split (int64).
+        window_rows = sum(
+            layer.query_group * (n_heads - len(whole.get(index, ()))) for index in range(n_layers)
+        )
+        window_len = sum(self.window_needs.values())
+        fixed_bytes = batch * window_rows * window_len * head_dim * layer.dtype.itemsize
+        fixed_bytes += (
+            n_heads * torch.empty((), dtype=torch.long).element_size() * sum(map(bool, listed.values()))
+        )
         full_len = layer.prompt_len + self.max_new_tokens
         target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
         boost = self.method.heads_boost
 
         def stored_bytes(total: int) -> int:
             per_layer = [self.method.layer_budget(total, index, n_layers) for index in range(n_layers)]
-            entries = sum(heads * length for heads, length in zip(compressed_heads, per_layer, strict=True))
-            entries += sum(  # a favoured head stores what it has seen, at most its budget
-                heads * min(layer.n_seen, favoured_len(length, boost, full_len))
+            heads_bytes = sum(
+                heads * head_bytes(length) for heads, length in zip(compressed_heads, per_layer, strict=True)
+            )
+            heads_bytes += sum(  # a favoured head stores what it has seen, at most its budget
+                heads * head_bytes(min(layer.n_seen, favoured_len(length, boost, full_len)))
                 for heads, length in zip(favoured_heads, per_layer, strict=True)
             )
-            return whole_bytes + compressed_entry_bytes * entries
+            return fixed_bytes + whole_bytes + batch * heads_bytes
 
         try:
             total = solve_entries(stored_bytes, target, upper=full_len)
@@ -672,7 +829,11 @@ class CompressedCache(Cache):
         )
         twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
         twin.layers = [layer.fork(twin) for layer in self.layers]
-        twin.compress_now()
+        twin.compress_now()  # on the source's entries as they are, then in the fork's own format
+        if twin.storage.precision != "model" or self.storage.precision != "model":
+            for layer in twin.layers:
+                if layer.is_initialized:
+                    layer.settle()
         return twin
 
     def check_room(self, n_new_tokens: int) -> None:
@@ -700,7 +861,7 @@ class CompressedCache(Cache):
             if layer.keys is not None and layer.keys.dim() == 4:
                 batch, _, _, head_dim = layer.keys.shape
                 n_heads = len(layer.head_lengths())
-                total += 2 * batch * n_heads * layer.n_seen * head_dim * layer.keys.element_size()
+                total += 2 * batch * n_heads * layer.n_seen * head_dim * layer.dtype.itemsize
         return total
 
     def reference_bytes(self) -> int:
@@ -711,15 +872,20 @@ class CompressedCache(Cache):
             if layer.prompt_len is not None and layer.keys is not None and layer.keys.dim() == 4:
                 batch, _, _, head_dim = layer.keys.shape
                 full_len = layer.prompt_len + self.max_new_tokens
-                total += (
-                    2 * batch * len(layer.head_lengths()) * full_len * head_dim * layer.keys.element_size()
-                )
+                total += 2 * batch * len(layer.head_lengths()) * full_len * head_dim * layer.dtype.itemsize
         return total
 
     def budget_ratio(self) -> float:
         """`kv_bytes()` over `reference_bytes()`: R, measured (right after a compression in bytes)."""
         reference = self.reference_bytes()
         return self.kv_bytes() / reference if reference else float("nan")
+
+    def allocated_ratio(self) -> float:
+        """`kv_capacity_bytes()` over `reference_bytes()`: the memory really allocated (the buffers'
+        decode headroom included) as a fraction of the budget's reference (`budget_ratio` counts the
+        live entries only)."""
+        reference = self.reference_bytes()
+        return self.kv_capacity_bytes() / reference if reference else float("nan")
 
     def kv_ratio(self) -> float:
         """Effective KV ratio: `kv_bytes()` over a full cache's bytes (what memory the budget really buys)."""

@@ -33,7 +33,7 @@ class ForkBatchLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
         for row, layer in enumerate(self.forks):
-            layer.update(key_states[row : row + 1], value_states[row : row + 1], cache_kwargs)
+            layer.add(key_states[row : row + 1], value_states[row : row + 1])
         # The attention function reads every fork's own entries (`forks`), never these.
         return key_states, value_states
 

@@ -81,6 +81,10 @@ def table_measurements() -> list[Measurement]:
     return [m for m in MEASUREMENTS.values() if m.in_table]
 
 
+def _number_or_none(value: float) -> float | None:
+    return None if value != value else value  # nan: not measured
+
+
 def _tpot(run: RunState) -> float | None:
     """Mean decode step after the first (a warm-up when there are more); None when not the run's own."""
     after_first = run.step_s[1:] or run.step_s
@@ -100,6 +104,14 @@ for _measurement in (
     # kv_budget_ratio: bytes stored right after compression / bytes of a full cache of n + Gamma tokens
     Measurement(
         "kv_budget_ratio", "KV/budget", COMPRESSED, lambda run: run.cache.budget_ratio(), in_table=False
+    ),
+    # kv_allocated_ratio: the same moment, the buffers allocated (decode headroom included) / that reference
+    Measurement(
+        "kv_allocated_ratio",
+        "allocated/budget",
+        COMPRESSED,
+        lambda run: _number_or_none(run.cache.allocated_ratio()),
+        in_table=False,
     ),
     # kv_bytes: what decoding starts from; kv_ratio: that over a full cache of the same tokens
     Measurement("kv_bytes", "KV MiB", FED, lambda run: run.cache.kv_bytes(), scale=2**-20),

@@ -35,6 +35,13 @@ from typing import Any, ClassVar
 from centroidkv.heads import check_head_policy
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
+from centroidkv.quantization import (
+    DEFAULT_GROUP,
+    DEFAULT_RESIDUAL,
+    STORAGE_PARAMS,
+    StorageFormat,
+    check_precision,
+)
 from centroidkv.registry import Registry
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "method_names",
     "method_variant",
     "parse_method",
+    "precision_suffix",
     "register",
 ]
 
@@ -75,6 +83,11 @@ class Method:
         window: DuoAttention's criterion), or a file's path.
       heads_fraction: the worst fraction of all (layer, KV head) pairs that is listed.
       heads_boost: under heads=budget, the listed heads' entries over the others' (> 1).
+      kv_precision, kv_group, kv_residual: how the cache stores keys and values
+        (`centroidkv.quantization`): "model" (the model's dtype, the default), "bf16", "fp16", or
+        KIVI's integer codes "int8" / "int4" / "int2" in groups of kv_group with the newest
+        kv_residual tokens in full precision. At "model" they are left out of `params()`, so runs
+        without a precision keep their identity.
     Subclasses declare their own parameters as dataclass fields with their paper's defaults and
     extend `validate`.
     """
@@ -93,6 +106,9 @@ class Method:
     heads_file: str = "clustering"
     heads_fraction: float = 0.04
     heads_boost: float = 4.0
+    kv_precision: str = "model"
+    kv_group: int = DEFAULT_GROUP
+    kv_residual: int = DEFAULT_RESIDUAL
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -205,6 +221,7 @@ class Method:
         check_int(self, "compress_interval", minimum=1)
         check_float(self, "heads_fraction", 0.0, 1.0)
         check_head_policy(self.name, self.heads, self.heads_file, self.heads_boost)
+        check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)
         if self.heads != "none" and not self.compresses:
             raise ValueError(f"{self.name}: a head policy needs a method that compresses (heads=none)")
 
@@ -216,8 +233,19 @@ class Method:
         """Shrink the mergeable segment `kv` to exactly `target_len` tokens."""
         raise NotImplementedError
 
+    @property
+    def storage(self) -> StorageFormat:
+        """How the cache stores this method's keys and values (`centroidkv.quantization`)."""
+        return StorageFormat(self.kv_precision, self.kv_group, self.kv_residual)
+
     def params(self) -> dict:
-        return dataclasses.asdict(self)
+        """The parameters; the storage ones only when a precision is set (records and job identities
+        of runs in the model's dtype stay as they were)."""
+        params = dataclasses.asdict(self)
+        if self.kv_precision == "model":
+            for name in STORAGE_PARAMS:
+                params.pop(name)
+        return params
 
 
 def check_int(method: Method, field: str, minimum: int) -> None:
@@ -328,7 +356,14 @@ def method_label(name: str, params: dict[str, Any] | None = None) -> str:
         cls = method_class(name)
     except ValueError:  # records of a method that is no longer installed keep their name
         return name
-    return cls.label_for(dict(params or {}))
+    params = dict(params or {})
+    return cls.label_for(params) + precision_suffix(params)
+
+
+def precision_suffix(params: dict[str, Any]) -> str:
+    """What a run's label adds for its storage precision (" @int8"); nothing in the model's dtype."""
+    precision = params.get("kv_precision", "model")
+    return "" if precision in ("model", None) else f" @{precision}"
 
 
 def method_variant(name: str, params: dict[str, Any] | None = None) -> str:
@@ -337,7 +372,10 @@ def method_variant(name: str, params: dict[str, Any] | None = None) -> str:
         cls = method_class(name)
     except ValueError:
         return name
-    return cls.variant_for(dict(params or {}))
+    params = dict(params or {})
+    precision = params.get("kv_precision", "model")
+    suffix = "" if precision in ("model", None) else f"-{precision}"
+    return cls.variant_for(params) + suffix
 
 
 def get_method(name: str, **params) -> Method:

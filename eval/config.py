@@ -37,7 +37,8 @@ BYTES_PER_RECORD = 4096  # generous: a record holds its prediction, references a
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
 ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
-             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch")  # fmt: skip
+             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch",
+             "kv_precision")  # fmt: skip
 MODEL_KEYS = ("name", "dtype", "device")
 METHOD_KEYS = ("name", "budget", "params")
 LOGGER_KEYS = ("name", "project", "mode")
@@ -424,6 +425,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
     """Validate a composed config; raise ConfigError (one line per bad value) or return a RunConfig
     of the job `job` (the command line names it from its overrides: `named_job`)."""
     from centroidkv import get_method
+    from centroidkv.methods import method_variant
 
     raw = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     raw.pop("hydra", None)
@@ -453,6 +455,8 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         if parsed is None:
             continue
         name, variant, params = parsed
+        if raw.get("kv_precision") is not None:  # the run's storage precision, unless the entry sets one
+            params.setdefault("kv_precision", raw["kv_precision"])
         try:
             method = get_method(name, **params)
             method.check_model(str(model_name))
@@ -460,7 +464,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
             errors.append(f"method {variant or name}: {first_line(error)}")
             continue
         params = method.params()  # the full effective parameters, defaults included
-        variant = variant or type(method).variant_for(params)  # e.g. kvpress-TOVA for a press
+        variant = variant or method_variant(name, params)  # e.g. kvpress-TOVA, centroidkv-int8
         if variant in variants:
             errors.append(
                 f"methods: {variant!r} appears twice; give each entry of one method its own `variant`"
@@ -503,7 +507,7 @@ def build_run_config(cfg: DictConfig | dict, job: str = "default") -> RunConfig:
         except ValueError as error:
             errors.append(str(error))
     if not errors:
-        errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit))
+        errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit, model.resolved()[1]))
     if errors:
         raise ConfigError(errors)
     job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
@@ -533,7 +537,7 @@ def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> 
 
 
 def _budget_errors(
-    specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str
+    specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str, dtype: str = "float32"
 ) -> list[str]:
     """One line per (variant, budget) that cannot run, found before any model loads:
     - in bytes, heads the method keeps whole (CentroidKV's outlier heads) that alone take the budget;
@@ -562,6 +566,10 @@ def _budget_errors(
             continue
         shortest = min(benchmark.lengths)
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
+        if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.quantization)
+            import torch
+
+            kept = method.storage.entries_in(kept, getattr(torch, dtype).itemsize)
         what = f"{spec.label} on a {shortest}-token {benchmark.name} sample (budget_unit={budget_unit})"
         try:
             fit_protected(kept, method.n_sink, method.n_recent, what)  # shorter windows, or no entry at all

@@ -9,11 +9,17 @@ would reach. Decoding runs long enough (`--new-tokens`, default 2 g) to include 
 A last row per length decodes with plain `model.generate` (transformers' DynamicCache and SDPA);
 "vs generate" is our full-cache TPOT over its TPOT (target <= 1.05).
 
-Part 2: time of one CSM round vs sequence length (8 KV heads, head_dim 128 by default) with the
+Part 2: decode step time per storage precision (`centroidkv.quantization`): the full cache decoded
+alone (one fork, as `decode_batch=1`) in the model's dtype, bf16, fp16 and KIVI's int8 / int4 / int2
+codes, at `--precision-lengths` (4k and 8k), so the cost of dequantizing each step is visible beside
+the bytes it saves.
+
+Part 3: time of one CSM round vs sequence length (8 KV heads, head_dim 128 by default) with the
 log-log slope, next to all-pairs bipartite matching (every A against every B, ToMe-style).
 
     python scripts/bench_decode.py                      # the full table (a few minutes on 2 cores)
     python scripts/bench_decode.py --lengths 1024 --csm-lengths 4096 8192   # quick look
+    python scripts/bench_decode.py --skip-decode --skip-csm --new-tokens 16   # precisions only
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from centroidkv.csm import csm_round
 from centroidkv.methods import LayerKV
 from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
+from centroidkv.quantization import PRECISIONS
 from eval.text import NOISE
 
 FILLER = NOISE + " "  # the noise sentences, ready to repeat
@@ -48,10 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-csm", action="store_true")
+    parser.add_argument("--precision-lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), help=", ".join(PRECISIONS))
+    parser.add_argument("--skip-precision", action="store_true")
     args = parser.parse_args(argv)
     try:  # validate everything before a model loads
         check_model_name(args.model)
-        if any(n < 256 for n in args.lengths + args.csm_lengths):
+        unknown = sorted(set(args.precisions) - set(PRECISIONS))
+        if unknown:
+            raise ValueError(
+                f"unknown precision(s) {', '.join(unknown)}; choose from {', '.join(PRECISIONS)}"
+            )
+        if any(n < 256 for n in args.lengths + args.csm_lengths + args.precision_lengths):
             raise ValueError("lengths must be >= 256 tokens")
         if any(not 0 < b <= 1 for b in args.budgets):
             raise ValueError("budgets must be fractions in (0, 1]")
@@ -133,9 +148,7 @@ def decode_table(args: argparse.Namespace) -> None:
                 prefilled.cache.in_place = in_place  # forks decode the way their source says
                 fork = start_fork(model, prefilled, get_method(name), budget, args.new_tokens)
                 result = decode_forks(model, [fork], args.new_tokens, eos_token_ids=set())[0]
-                capacity = (
-                    fork.cache.kv_capacity_bytes()
-                )  # the buffers behind kv_bytes_final, headroom included
+                capacity = fork.cache.kv_capacity_bytes()  # behind kv_bytes_final, headroom included
                 if name == "full":
                     full_tpot[in_place] = result.tpot
                     # the full cache's size over the whole run, to compare with R * (n + Gamma)
@@ -159,6 +172,37 @@ def decode_table(args: argparse.Namespace) -> None:
             flush=True,
         )
         print(f"| {length} | (prefill) | | | {prefilled.seconds:.2f} | | | | | | | |", flush=True)
+
+
+def precision_table(args: argparse.Namespace) -> None:
+    """Part 2: TPOT of the full cache alone at each storage precision, one prefill per length."""
+    from centroidkv import get_method, load_model
+    from centroidkv.decoding import generate_from, prefill
+
+    model, tokenizer = load_model(args.model)
+    device = next(model.parameters()).device
+    print(
+        f"\n## Decode per storage precision: {args.model} ({next(model.parameters()).dtype}) on {device}, "
+        f"{torch.get_num_threads()} threads, full cache decoded alone, {args.new_tokens} new tokens\n"
+    )
+    print("| n | precision | TPOT ms | TPOT ratio | KV MiB | KV ratio | allocated ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for length in args.precision_lengths:
+        if tokenizer is None:
+            ids = torch.randint(3, model.config.vocab_size, (1, length))
+        else:
+            ids = noise_prompt(tokenizer, length)
+        prefilled = prefill(model, ids.to(device), args.new_tokens)
+        model_tpot = None
+        for precision in args.precisions:
+            method = get_method("full", kv_precision=precision)
+            result = generate_from(model, prefilled, method, 1.0, args.new_tokens, eos_token_ids=set())
+            model_tpot = result.tpot if model_tpot is None else model_tpot
+            print(
+                f"| {length} | {precision} | {result.tpot * 1e3:.1f} | {result.tpot / model_tpot:.2f} | "
+                f"{result.kv_bytes / 2**20:.1f} | {result.kv_budget_ratio:.3f} | {result.kv_allocated_ratio:.3f} |",
+                flush=True,
+            )
 
 
 def all_pairs_matching(keys: torch.Tensor, n_merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         csm_table(args)
     if not args.skip_decode:
         decode_table(args)
+    if not args.skip_precision:
+        precision_table(args)
     return 0
 
 

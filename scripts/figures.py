@@ -450,6 +450,8 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     `kv_ratio` in older records); the full cache is a dashed reference line through its own star,
     one legend entry for both. Points that would hide each other (equal ratio and score) are spread
     SPREAD apart along x around their true ratio (`spread_coinciding`), and the figure says so.
+    When runs store their entries at several precisions (labels "CentroidKV @int8", `precision_suffix`),
+    the marker is the precision (`PRECISION_MARKERS`), so entries x bits make one Pareto picture.
     """
     paths = []
     for benchmark, part in df[df["ok"]].groupby("benchmark"):
@@ -467,6 +469,7 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         )
         spread = any(offsets.values())
         fig, ax = plt.subplots(figsize=(7, 4.6))
+        precisions_shown = avg["label"].map(label_precision).nunique() > 1
         for label, rows in series:
             style = styles[label]
             x = rows["kv"] + [offsets[label, i] for i in range(len(rows))]
@@ -475,6 +478,8 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
                 ax.axhline(rows["score"].mean(), zorder=5, **line)  # in the legend with its star
                 ax.plot(x, rows["score"], markersize=11, label=f"{label} (no compression)", **style)
                 continue
+            if precisions_shown:  # the method's colour, the precision's marker
+                style = {**style, "marker": PRECISION_MARKERS[label_precision(label)]}
             ax.plot(x, rows["score"], label=label, linewidth=1.4, markersize=6, **style)
         ax.set_xlabel("Measured KV ratio (bytes stored after compression / full cache of n + max new tokens)")
         ax.set_ylabel("Average score (0-100)")
@@ -482,8 +487,9 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
+        marker_note = " (marker: storage precision)" if precisions_shown else ""
         ax.set_title(
-            f"{benchmark_title(benchmark)}: average score vs measured KV ratio\n{_subtitle(part)}",
+            f"{benchmark_title(benchmark)}: average score vs measured KV ratio{marker_note}\n{_subtitle(part)}",
             fontsize=10,
         )
         if spread:
@@ -499,6 +505,16 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
+
+
+# Storage precision -> marker in the score-vs-KV figure (centroidkv.quantization.PRECISIONS).
+PRECISION_MARKERS = {"model": "o", "bf16": "D", "fp16": "d", "int8": "s", "int4": "^", "int2": "v"}
+
+
+def label_precision(label: str) -> str:
+    """The storage precision a run's label names (" @int8", `precision_suffix`); "model" without one."""
+    suffix = label.rpartition(" @")[2] if " @" in label else "model"
+    return suffix if suffix in PRECISION_MARKERS else "model"
 
 
 def _is_number(value: Any) -> bool:

@@ -1,0 +1,80 @@
+"""kv_precision=model keeps today's records: a tiny toy job gives exactly the records (and the job
+identity) that the code before storage precisions gave, with the key left out and set to model.
+
+`tests/fixtures/records_before_precision.json` was written by the job of `run_toy_job` on the code
+before storage precisions (main at the merge of the precision work, with the counted query windows of
+7ef62f8 merged in, and short prompts: its CentroidKV runs at 0.25 succeed)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eval.config import CONFIG_DIR, build_run_config, store_configs
+from eval.records import read_records
+from eval.runner import config_yaml_of, run_job
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BEFORE = Path(__file__).resolve().parent / "fixtures" / "records_before_precision.json"
+FIELDS = ("sample_id", "method", "variant", "params", "budget", "prediction", "score", "kv_bytes", "kv_bytes_final",
+          "kv_ratio", "kv_budget_ratio", "kv_len", "n_compressions", "n_generated", "status")  # fmt: skip
+
+
+def run_toy_job(extra: list[str]) -> dict:
+    """The identity and the deterministic fields (no timings) of a small job's records, in order."""
+    results = tempfile.mkdtemp()
+    store_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=tiny-llama",
+                "benchmark=toy",
+                "logger=none",
+                "warmup=false",
+                f"results_dir={results}",
+                "methods=[full,centroidkv,snapkv,h2o,streaming_llm]",
+                "budgets=[0.25,0.5]",
+                "benchmark.n_samples=2",
+                *extra,
+            ],  # fmt: skip
+        )
+    run_config = build_run_config(cfg, "job")
+    run_job(run_config, config_yaml_of(run_config, cfg))
+    records, _ = read_records(run_config.job_dir / "records.jsonl")
+    rows = [{field: record.get(field) for field in FIELDS} for record in records]
+    rows.sort(key=lambda row: (row["sample_id"], row["variant"], row["budget"]))
+    return json.loads(json.dumps({"identity": run_config.identity(), "records": rows}, sort_keys=True))
+
+
+@pytest.mark.parametrize("extra", [[], ["kv_precision=model"]])
+def test_the_model_precision_gives_the_records_of_before(extra):
+    before = json.loads(BEFORE.read_text())
+    now = run_toy_job(extra)
+    assert now["identity"] == before["identity"]
+    assert now["records"] == before["records"]
+
+
+def test_a_run_level_precision_reaches_every_method_and_its_identity(tmp_path):
+    store_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "model=tiny-llama",
+                "benchmark=toy",
+                "logger=none",
+                f"results_dir={tmp_path}",
+                "methods=[full,snapkv,{name:kivi,params:{kv_precision:int4}}]",
+                "kv_precision=int8",
+            ],  # fmt: skip
+        )
+    run_config = build_run_config(cfg, "job")
+    variants = {spec.variant: spec.params["kv_precision"] for spec in run_config.methods}
+    assert variants == {"full-int8": "int8", "snapkv-int8": "int8", "kivi-int4": "int4"}
+    assert run_config.identity()["methods.snapkv-int8.params.kv_precision"] == "int8"
