@@ -403,7 +403,9 @@ def parse_method(spec: str) -> Method:
     if short is not None:
         field_name = method_class(name).shorthand
         if field_name is None:
-            raise ValueError(f"method {spec!r}: {name} takes no name:value form; write {name}(key=value, ...)")
+            raise ValueError(
+                f"method {spec!r}: {name} takes no name:value form; write {name}(key=value, ...)"
+            )
         params[field_name] = short.strip()
     for item in split_top_level(arguments or ""):
         key, equals, value = item.partition("=")

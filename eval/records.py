@@ -105,7 +105,9 @@ FIELD_TYPES: dict[str, tuple[str, Any]] = {
     "length": ("a number", _is_number),
     "params": ("a mapping", lambda v: isinstance(v, dict)),
     "score": ("a number", _is_number),
-    **{name: ("a number", _is_number) for name in ("tpot", "ttft", "kv_bytes", "kv_ratio")},  # tables read them
+    **{
+        name: ("a number", _is_number) for name in ("tpot", "ttft", "kv_bytes", "kv_ratio")
+    },  # tables read them
     **{name: ("a string", lambda v: isinstance(v, str)) for name in OWNER_FIELDS},
 }
 

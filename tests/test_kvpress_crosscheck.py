@@ -75,7 +75,9 @@ def kvpress_run(model, press, context: torch.Tensor, question: torch.Tensor):
 
 
 def ours_run(model, method, context: torch.Tensor, question: torch.Tensor):
-    cache = CompressedCache(method, 1 - RATIO, max_new_tokens=0, budget_unit="entries")  # kvpress counts entries
+    cache = CompressedCache(
+        method, 1 - RATIO, max_new_tokens=0, budget_unit="entries"
+    )  # kvpress counts entries
     model.model(input_ids=context, past_key_values=cache)
     kept = [layer.keys for layer in cache.layers]
     with cache.paused():
