@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from centroidkv.heads import check_head_policy
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
+from centroidkv.parsing import split_top_level
 from centroidkv.quantization import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
@@ -60,6 +61,7 @@ __all__ = [
     "parse_method",
     "precision_suffix",
     "register",
+    "split_top_level",
 ]
 
 ENTRY_POINT_GROUP = "centroidkv.methods"
@@ -413,22 +415,6 @@ def parse_method(spec: str) -> Method:
             raise ValueError(f"method {spec!r}: {item.strip()!r} is not key=value")
         params[key.strip()] = _literal(value.strip())
     return get_method(name, **params)
-
-
-def split_top_level(text: str) -> list[str]:
-    """`a=1, b=[2, 3]` split at its top-level commas."""
-    items, depth, current = [], 0, ""
-    for char in text:
-        if char in "[{(":
-            depth += 1
-        elif char in "]})":
-            depth -= 1
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-            continue
-        current += char
-    return [item for item in [*items, current] if item.strip()]
 
 
 def _literal(text: str) -> Any:

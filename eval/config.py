@@ -24,6 +24,7 @@ from centroidkv.budget import (
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
+from centroidkv.parsing import split_top_level
 from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
@@ -206,22 +207,7 @@ JOB_READABLE_CHARS = 80
 
 def split_overrides(override_dirname: str) -> list[str]:
     """Hydra's override_dirname (`a=1,b=[x,y]`) split at its top-level commas into overrides."""
-    items, depth, quote, current = [], 0, "", ""
-    for char in override_dirname:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[{(":
-            depth += 1
-        elif char in "]})":
-            depth -= 1
-        elif char == "," and depth == 0:
-            items.append(current)
-            current = ""
-            continue
-        current += char
-    return [item for item in [*items, current] if item]
+    return split_top_level(override_dirname)
 
 
 def _safe(text: str) -> str:

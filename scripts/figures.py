@@ -155,6 +155,13 @@ def _full_style(index: int) -> dict:
     return dict(color=FULL_COLORS[index % len(FULL_COLORS)], linestyle="--", linewidth=1.2)
 
 
+def _note(ax, text: str, y: float) -> None:
+    """A small grey line of explanation under the axes (at `y`, in axes coordinates)."""
+    ax.text(
+        0.5, y, text, transform=ax.transAxes, ha="center", va="top", fontsize=7, color="dimgray", wrap=True
+    )
+
+
 def benchmark_title(benchmark: str) -> str:
     """The benchmark's name in every figure title: its report's (`Report.title`, e.g. "RULER")."""
     return benchmark_report(benchmark).title
@@ -287,16 +294,8 @@ def accuracy_vs_budget(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         title = f"{benchmark_title(benchmark)}: average score vs KV budget\n{_subtitle(part)}"
         _accuracy_axes(ax, means, None, title, styles)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), title="Method")
-        ax.text(
-            0.5,
-            -0.2,
-            f"tasks: {tasks}; methods are offset slightly along x so that equal scores stay visible",
-            transform=ax.transAxes,
-            ha="center",
-            va="top",
-            fontsize=7,
-            color="dimgray",
-            wrap=True,
+        _note(
+            ax, f"tasks: {tasks}; methods are offset slightly along x so that equal scores stay visible", -0.2
         )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_accuracy_vs_budget")
         paths += _accuracy_by_family(part, means, report, styles, out, f"{prefix}{safe_name(benchmark)}")
@@ -493,15 +492,10 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             fontsize=10,
         )
         if spread:
-            ax.text(
-                0.5,
-                -0.16,
+            _note(
+                ax,
                 f"points at equal ratio and score are spread {SPREAD:g} apart along x around their true ratio",
-                transform=ax.transAxes,
-                ha="center",
-                va="top",
-                fontsize=7,
-                color="dimgray",
+                -0.16,
             )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
