@@ -42,7 +42,7 @@ from centroidkv.decoding import (
     warm_up,
 )
 from centroidkv.errors import first_line
-from centroidkv.methods import Method, get_method
+from centroidkv.methods import Method, get_method, method_label
 from centroidkv.model_names import EMBEDDED_MODEL
 
 PROTOCOLS = ("full_prompt", "context_only")
@@ -208,7 +208,7 @@ def generate(
         answers.append(
             Answer(
                 method=asked,
-                label=method.label_for(method.params()),
+                label=method_label(method.name, method.params()),  # with its precision (" @int8")
                 text=tokenizer.decode(tokens, skip_special_tokens=True).strip(),
                 n_generated=len(tokens),
                 protocol=run_protocol,
