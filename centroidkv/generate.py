@@ -36,7 +36,7 @@ import centroidkv.models as models  # used as models.<name>, so that tests can s
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.decoding import chat_prompt_ids, eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.methods import Method, method_names, parse_method, split_top_level
+from centroidkv.methods import Method, method_label, method_names, parse_method, split_top_level
 from centroidkv.model_names import EMBEDDED_MODEL
 from centroidkv.plan import (
     CONTEXT_ONLY,
@@ -192,7 +192,8 @@ def generate(
 
 
 def _answer(asked: str, method: Method, protocol: str, **fields) -> Answer:
-    return Answer(asked, method.label_for(method.params()), protocol, method.compresses, **fields)
+    label = method_label(method.name, method.params())  # with its precision (" @int8")
+    return Answer(asked, label, protocol, method.compresses, **fields)
 
 
 def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer) -> Answer:
