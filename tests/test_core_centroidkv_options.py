@@ -104,8 +104,9 @@ def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_mode
         assert torch.equal(layer.whole_keys[:, 0], recorder.layers[layer.layer_idx].keys[:, whole])
         assert layer.keys.shape[1] == 1  # the compressed tensor holds the other head only
     head_dim = tiny_model.config.hidden_size // tiny_model.config.num_attention_heads
-    # per compressed entry: float32 key + value + log-degree + position; per whole entry: key + value
-    expected = 2 * (120 * (2 * head_dim * 4 + 4 + 4) + 300 * 2 * head_dim * 4)
+    # per compressed entry: float32 key + value + log-degree + position; per whole entry: key + value;
+    # per layer, the ids of its whole and its compressed head (int64)
+    expected = 2 * (120 * (2 * head_dim * 4 + 4 + 4) + 300 * 2 * head_dim * 4 + 2 * 8)
     assert cache.kv_bytes() == expected
     assert cache.full_kv_bytes() == 2 * 2 * 300 * 2 * head_dim * 4
     assert cache.kv_ratio() == pytest.approx(expected / cache.full_kv_bytes())
@@ -127,6 +128,9 @@ class _SplitLayer:
 
     def after_attention(self, query, scaling, received=None):
         pass
+
+    def read(self, name: str):  # the cache's stored tensor, dequantized (here: stored as it is)
+        return getattr(self, name)
 
 
 def test_under_gqa_an_outlier_heads_queries_see_all_its_entries():

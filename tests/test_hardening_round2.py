@@ -431,14 +431,18 @@ def test_a_folder_named_like_a_job_file_is_one_line_before_any_work(tmp_path, na
 
 
 # ------------------------------------------------------------------------- D11. Ctrl-C during a job
+N_SAMPLES = 300
+
+
 def test_ctrl_c_is_one_line_and_the_job_resumes(tmp_path):
     """Before: a KeyboardInterrupt traceback. Now one line with the records kept, exit 130, and the
     rerun completes the job from them."""
     from eval.sweep import plan
 
     results = tmp_path / "results"
+    # enough samples that the job (~50 samples/s on a tiny model) cannot end before the interrupt
     args = [*TINY, f"results_dir={results}", "methods=[full,streaming_llm]", "budgets=[0.5]",
-            "benchmark.n_samples=10", "benchmark.max_new_tokens=6"]  # fmt: skip
+            f"benchmark.n_samples={N_SAMPLES}", "benchmark.max_new_tokens=6"]  # fmt: skip
     job = subprocess.Popen(
         [*RUN, *args], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -455,9 +459,10 @@ def test_ctrl_c_is_one_line_and_the_job_resumes(tmp_path):
         "rerun the same command to resume"
     ]
     (cfg,) = plan(args)  # the same job, resumed in this process
-    assert cfg.job_dir == records_path.parent and run_job(cfg, config_yaml_of(cfg, None))["n_records"] == 20
+    assert cfg.job_dir == records_path.parent
+    assert run_job(cfg, config_yaml_of(cfg, None))["n_records"] == 2 * N_SAMPLES
     after = {json.dumps(r, sort_keys=True) for r in read_records(records_path)[0]}
-    assert len(after) == 20 and {json.dumps(r, sort_keys=True) for r in kept} <= after
+    assert len(after) == 2 * N_SAMPLES and {json.dumps(r, sort_keys=True) for r in kept} <= after
 
 
 # ------------------------------------------------------------ D13. an experiment name too long
