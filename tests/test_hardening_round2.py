@@ -434,6 +434,12 @@ def test_a_folder_named_like_a_job_file_is_one_line_before_any_work(tmp_path, na
 N_SAMPLES = 300
 
 
+def _default_sigint() -> None:
+    """In the job's process: Ctrl-C's default handling, even when this test runs in the background,
+    where the shell starts it with SIGINT ignored (and Python then installs no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_is_one_line_and_the_job_resumes(tmp_path):
     """Before: a KeyboardInterrupt traceback. Now one line with the records kept, exit 130, and the
     rerun completes the job from them."""
@@ -444,7 +450,12 @@ def test_ctrl_c_is_one_line_and_the_job_resumes(tmp_path):
     args = [*TINY, f"results_dir={results}", "methods=[full,streaming_llm]", "budgets=[0.5]",
             f"benchmark.n_samples={N_SAMPLES}", "benchmark.max_new_tokens=6"]  # fmt: skip
     job = subprocess.Popen(
-        [*RUN, *args], env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*RUN, *args],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
     )
     try:
         records_path = wait_for_records(results, "*/*/records.jsonl", 4, job)
