@@ -25,25 +25,20 @@ FIELDS = ("sample_id", "method", "variant", "params", "budget", "prediction", "s
           "kv_ratio", "kv_budget_ratio", "kv_len", "n_compressions", "n_generated", "status")  # fmt: skip
 
 
+def compose_tiny(overrides: list[str]):
+    """The composed config of a tiny-llama toy job without logging, plus `overrides`."""
+    store_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(
+            config_name="config", overrides=["model=tiny-llama", "benchmark=toy", "logger=none", *overrides]
+        )
+
+
 def run_toy_job(extra: list[str]) -> dict:
     """The identity and the deterministic fields (no timings) of a small job's records, in order."""
     results = tempfile.mkdtemp()
-    store_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "model=tiny-llama",
-                "benchmark=toy",
-                "logger=none",
-                "warmup=false",
-                f"results_dir={results}",
-                "methods=[full,centroidkv,snapkv,h2o,streaming_llm]",
-                "budgets=[0.25,0.5]",
-                "benchmark.n_samples=2",
-                *extra,
-            ],  # fmt: skip
-        )
+    cfg = compose_tiny([f"results_dir={results}", "warmup=false", "methods=[full,centroidkv,snapkv,h2o,streaming_llm]",
+                        "budgets=[0.25,0.5]", "benchmark.n_samples=2", *extra])  # fmt: skip
     run_config = build_run_config(cfg, "job")
     run_job(run_config, config_yaml_of(run_config, cfg))
     records, _ = read_records(run_config.job_dir / "records.jsonl")
@@ -61,19 +56,8 @@ def test_the_model_precision_gives_the_records_of_before(extra):
 
 
 def test_a_run_level_precision_reaches_every_method_and_its_identity(tmp_path):
-    store_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=[
-                "model=tiny-llama",
-                "benchmark=toy",
-                "logger=none",
-                f"results_dir={tmp_path}",
-                "methods=[full,snapkv,{name:kivi,params:{kv_precision:int4}}]",
-                "kv_precision=int8",
-            ],  # fmt: skip
-        )
+    cfg = compose_tiny([f"results_dir={tmp_path}", "methods=[full,snapkv,{name:kivi,params:{kv_precision:int4}}]",
+                        "kv_precision=int8"])  # fmt: skip
     run_config = build_run_config(cfg, "job")
     variants = {spec.variant: spec.params["kv_precision"] for spec in run_config.methods}
     assert variants == {"full-int8": "int8", "snapkv-int8": "int8", "kivi-int4": "int4"}
