@@ -36,8 +36,9 @@ import centroidkv.models as models  # used as models.<name>, so that tests can s
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.decoding import chat_prompt_ids, eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.methods import Method, method_label, method_names, parse_method, split_top_level
+from centroidkv.methods import Method, method_label, method_names, parse_method
 from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.parsing import split_top_level
 from centroidkv.plan import (
     CONTEXT_ONLY,
     FULL_PROMPT,

@@ -43,7 +43,7 @@ from centroidkv.quantization import (
     StorageFormat,
     check_precision,
 )
-from centroidkv.registry import Registry
+from centroidkv.registry import METHOD_ENTRY_POINTS, Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -61,10 +61,9 @@ __all__ = [
     "parse_method",
     "precision_suffix",
     "register",
-    "split_top_level",
 ]
 
-ENTRY_POINT_GROUP = "centroidkv.methods"
+ENTRY_POINT_GROUP = METHOD_ENTRY_POINTS
 # The library's own method; every other one (the harness's baselines too) comes through the group.
 BUILTIN_METHOD_MODULE = "centroidkv.centroidkv"
 

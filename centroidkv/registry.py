@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+# The entry-point group under which distributions declare method modules (read without torch).
+METHOD_ENTRY_POINTS = "centroidkv.methods"
+
 T = TypeVar("T", bound=type)
 
 

@@ -52,7 +52,8 @@ class Evaluator:
         """The sample's prompt under the benchmark's protocol and context-only. Tiny test models have a
         512-token vocabulary: the embedded tokenizer's ids are folded into it."""
         head, tail = encode_prompt(sample, self.tokenizer, self.benchmark.context_only)
-        context, question = encode_prompt(sample, self.tokenizer, True)
+        context_only = self.benchmark.context_only  # then the two splits are one
+        context, question = (head, tail) if context_only else encode_prompt(sample, self.tokenizer, True)
         fold = [[t % self.vocab for t in part] for part in (head, tail, context, question)]
         return Prompt(*fold, protocol=CONTEXT_ONLY if self.benchmark.context_only else FULL_PROMPT)
 

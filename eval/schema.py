@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from centroidkv.model_names import cache_dir
+from centroidkv.registry import METHOD_ENTRY_POINTS
 
 SCHEMA_VERSION = 1
-ENTRY_POINT_GROUP = "centroidkv.methods"  # centroidkv.methods.ENTRY_POINT_GROUP, which imports torch
 SOURCE_PACKAGES = ("centroidkv", "baselines")
 
 
@@ -45,7 +45,7 @@ def fingerprint() -> str:
     """A hash of everything the schema is derived from (see the module's docstring)."""
     packages = set(SOURCE_PACKAGES)
     plugins = []
-    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for entry_point in metadata.entry_points(group=METHOD_ENTRY_POINTS):
         packages.add(entry_point.value.split(":")[0].split(".")[0])
         distribution = getattr(entry_point, "dist", None)
         plugins.append(f"{entry_point.value}@{distribution.version if distribution else ''}")
