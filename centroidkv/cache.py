@@ -594,6 +594,8 @@ class CompressedLayer(DynamicLayer):
             "query_group",
             "n_seen",
             "prompt_len",
+            "n_compressions",  # the entries' history travels with them (a fork of a compressed cache)
+            "protected_used",
         ):
             setattr(twin, attr, getattr(self, attr))
         twin.packed = dict(self.packed)  # codes are never modified in place: shared until replaced

@@ -177,8 +177,9 @@ def start_fork(
     """Fork `prefilled` with (method, budget), compress, and feed `question_ids` with compression
     paused; the first token follows the prompt (or the question). Raises now when `max_new_tokens`
     will need a compression whose budget cannot hold the protected tokens. `compress_s`: the time of a
-    compression already done inside the prefill (a tap's, `PrefillTap`), recorded instead of this
-    fork's own (then method="full" and budget 1.0: the prefill's cache is compressed already)."""
+    compression already done on `prefilled` (a tap's, `PrefillTap`, then method="full" and budget
+    1.0; or the method's own, when one compressed context serves several questions), recorded
+    instead of this fork's own."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     timer = Timer(prefilled.first_token.device)

@@ -7,9 +7,11 @@ The prompt goes through the model's chat template and every method runs through 
 (`centroidkv.plan.run`): the native methods fork one shared prefill, each compressing its fork to
 the budget, and decode greedily one at a time (so each has its own TPOT). Every method of one call
 runs the same protocol, named in the output's first line: with --context and --question, the
-context is compressed and the question fed afterwards (context-only); with
---prompt, the whole prompt is compressed (full-prompt), and a method that can only compress a
-context is refused for that call with one line. Each method prints its block as soon as it is
+context is compressed and the question fed afterwards (context-only); --question may be given
+several times, and then each method compresses the context once and answers every question from
+that same compressed cache (as kvpress's pipeline does with `questions=[...]`); with --prompt, the
+whole prompt is compressed (full-prompt), and a method that can only compress a context is refused
+for that call with one line. Each method prints its block as soon as it is
 done: the answer, the KV measured, the entries per layer and the times (after an untimed
 `warm_up`, so the first compression of the process is not counted several times slower); a method
 that cannot run prints one line and the others go on. Method parameters are set in the method's
@@ -60,6 +62,7 @@ class Answer:
     label: str  # its display label (tables and figures use the same)
     protocol: str  # full_prompt or context_only: the call's
     compresses: bool  # False for the full cache (no budget applies)
+    question: str = ""  # the question this answers (one of the call's)
     error: str | None = None  # one line when the method could not run; every field below is then empty
     text: str = ""
     n_generated: int = 0
@@ -124,7 +127,7 @@ def generate(
     model,
     tokenizer,
     context: str,
-    question: str = "",
+    question: str | Sequence[str] = "",
     methods: Sequence[str | Method] = ("full", "centroidkv"),
     budget: float = 0.25,
     max_new_tokens: int = 64,
@@ -133,63 +136,88 @@ def generate(
     warm: bool = True,
     on_answer: Callable[[Answer], None] | None = None,
 ) -> list[Answer]:
-    """Answer `question` about `context` with each of `methods` at `budget`, one `Answer` each.
+    """Answer `question` about `context` with each of `methods` at `budget`: one `Answer` per method
+    and question, method by method, each method's in the order of the questions.
 
-    The user's turn is the context, a blank line and the question (just the context when the
-    question is empty). `protocol` (every method runs it): "context_only" compresses the context and
-    feeds the question afterwards (the default with a question), "full_prompt"
-    compresses the whole prompt (the default without one); under it a method that compresses inside
-    its prefill (`centroidkv.plan.PrefillCompressor`) cannot run and answers with its error. `warm`: first `warm_up`, so
-    that a process's one-time costs stay out of the times. `on_answer` is called with each answer as
-    soon as it is done. A method that fails answers with its error (one line); the others go on.
-    Raises ValueError (one line) for a bad method, budget, unit or protocol, for a prompt and
-    `max_new_tokens` beyond the model's positions (`max_position_embeddings`), or for a head policy
-    on a model not calibrated yet (`python -m eval.calibrate`); all before any prefill.
+    `question`: one question, or several (a list): each method then compresses the context once and
+    answers every question from that compressed cache (context-only). The user's turn is the
+    context, a blank line and the question (just the context when the question is empty).
+    `protocol` (every method runs it): "context_only" compresses the context and feeds the question
+    afterwards (the default with a question), "full_prompt" compresses the whole prompt (the default
+    without one; one question at most); under it a method that compresses inside its prefill
+    (`centroidkv.plan.PrefillCompressor`) cannot run and answers with its error. `warm`: first
+    `warm_up`, so that a process's one-time costs stay out of the times. `on_answer` is called with
+    each answer as soon as it is done. A method that fails answers with its error (one line); the
+    others go on. Raises ValueError (one line) for a bad method, budget, unit or protocol, several
+    questions under the full-prompt protocol, a prompt and `max_new_tokens` beyond the model's
+    positions (`max_position_embeddings`), or a head policy on a model not calibrated yet
+    (`python -m eval.calibrate`); all before any prefill.
     """
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
-    protocol = protocol or (CONTEXT_ONLY if question else FULL_PROMPT)
+    questions = [question] if isinstance(question, str) else list(question)
+    if not questions:
+        raise ValueError("give a question, or an empty one for a whole prompt")
+    protocol = protocol or (CONTEXT_ONLY if any(questions) else FULL_PROMPT)
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if len(questions) > 1 and protocol != CONTEXT_ONLY:
+        raise ValueError("several questions need the context-only protocol: one context, compressed once")
     named = [(m, parse_method(m)) if isinstance(m, str) else (m.name, m) for m in methods]
-    message = f"{context}\n\n{question}" if question else context
-    head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == CONTEXT_ONLY)
-    context_ids, question_ids = chat_prompt_ids(tokenizer, message, question, context_only=True)
+    prompt = _prompt(tokenizer, context, questions, protocol)
     positions = getattr(model.config, "max_position_embeddings", None)
-    check_fits(len(head) + len(tail), max_new_tokens, positions, "the model")
+    for q in range(len(questions)):
+        check_fits(len(prompt.prefilled) + len(prompt.fed_ids(q)), max_new_tokens, positions, "the model")
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
         method.listed_heads(model)
-    answers: dict[int, Answer] = {}
+    answers: dict[tuple[int, int], Answer] = {}
     runnable = []
     for i, (asked, method) in enumerate(named):
         if protocol == FULL_PROMPT and compresses_in_prefill(method):
-            answers[i] = _answer(
-                asked,
-                method,
-                protocol,
-                error=(
-                    f"{asked} compresses a context inside its prefill and cannot compress a whole prompt: "
-                    "give --context and --question (the context-only protocol)"
-                ),
+            error = (
+                f"{asked} compresses a context inside its prefill and cannot compress a whole prompt: "
+                "give --context and --question (the context-only protocol)"
             )
+            answers[i, 0] = _answer(asked, method, protocol, question=questions[0], error=error)
             if on_answer:
-                on_answer(answers[i])
+                on_answer(answers[i, 0])
         else:
             runnable.append(i)
     if warm and runnable:
         warm_up(model, [named[i][1] for i in runnable])
-    prompt = Prompt(head, tail, context_ids, question_ids, protocol)
     eos = eos_token_ids(model, tokenizer)
 
     def done(k: int, outcome: Outcome) -> None:
-        i = runnable[k]
-        answers[i] = _outcome_answer(named[i][0], named[i][1], outcome, tokenizer)
+        i = runnable[k // prompt.n_questions]
+        asked, method = named[i]
+        answer = _outcome_answer(asked, method, outcome, tokenizer, questions[outcome.question])
+        answers[i, outcome.question] = answer
         if on_answer:
-            on_answer(answers[i])
+            on_answer(answer)
 
     runs = [Run(named[i][1], budget if named[i][1].compresses else 1.0) for i in runnable]
     run(model, prompt, runs, max_new_tokens, eos, budget_unit, decode_batch=1, on_outcome=done)
-    return [answers[i] for i in range(len(named))]
+    return [answers[key] for key in sorted(answers)]
+
+
+def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Prompt:
+    """The call's prompt: the chat of the context and the first question, split as `protocol`
+    prefills and feeds it, and the other questions' turns (`Prompt.follow_ups`), each following the
+    same context."""
+
+    def split(question: str, context_only: bool) -> tuple[list[int], list[int]]:
+        message = f"{context}\n\n{question}" if question else context
+        return chat_prompt_ids(tokenizer, message, question, context_only=context_only)
+
+    head, tail = split(questions[0], protocol == CONTEXT_ONLY)
+    context_ids, question_ids = split(questions[0], True)
+    follow_ups = []
+    for question in questions[1:]:
+        own_context, own_question = split(question, True)
+        if own_context != context_ids:  # the chat template put the question inside the context's turn
+            raise ValueError("the chat template splits this context differently for each question")
+        follow_ups.append(own_question)
+    return Prompt(head, tail, context_ids, question_ids, protocol, follow_ups=tuple(follow_ups))
 
 
 def _answer(asked: str, method: Method, protocol: str, **fields) -> Answer:
@@ -197,16 +225,17 @@ def _answer(asked: str, method: Method, protocol: str, **fields) -> Answer:
     return Answer(asked, label, protocol, method.compresses, **fields)
 
 
-def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer) -> Answer:
+def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer, question: str) -> Answer:
     generation = outcome.generation
     if generation is None:
         error = outcome.error or RuntimeError("not decoded")
-        return _answer(asked, method, outcome.protocol, error=first_line(error))
+        return _answer(asked, method, outcome.protocol, question=question, error=first_line(error))
     measured = generation.measured
     return _answer(
         asked,
         method,
         outcome.protocol,
+        question=question,
         text=tokenizer.decode(outcome.answer_ids, skip_special_tokens=True).strip(),
         n_generated=len(outcome.answer_ids),
         kv_ratio=measured["kv_ratio"],
@@ -221,19 +250,21 @@ def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer) -> 
     )
 
 
-def protocol_line(protocol: str, budget: float, budget_unit: str) -> str:
+def protocol_line(protocol: str, budget: float, budget_unit: str, n_questions: int = 1) -> str:
     """The output's first line: what every method of the call did."""
-    what = (
-        "the context is compressed, then the question is fed"
-        if protocol == CONTEXT_ONLY
-        else "the whole prompt is compressed"
-    )
+    if protocol == FULL_PROMPT:
+        what = "the whole prompt is compressed"
+    elif n_questions == 1:
+        what = "the context is compressed, then the question is fed"
+    else:
+        what = f"the context is compressed once per method, then each of the {n_questions} questions is fed"
     return f"protocol: {protocol} ({what}); budget {budget:g} in {budget_unit}"
 
 
-def format_answer(answer: Answer) -> str:
-    """One method's block of the command's output."""
-    title = f"== {answer.method} ({answer.label})"
+def format_answer(answer: Answer, with_question: bool = False) -> str:
+    """One method's block of the command's output (`with_question`: its question in the title, for
+    a call with several)."""
+    title = f"== {answer.method} ({answer.label})" + (f" · Q: {answer.question}" if with_question else "")
     if answer.error is not None:
         return f"{title}: cannot run: {answer.error}"
     tpot = "-" if answer.tpot_s is None else f"{answer.tpot_s * 1000:.0f} ms"
@@ -280,7 +311,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--context", help="the context: a file, or - for stdin")
     source.add_argument("--prompt", help="the whole prompt as text (no separate question)")
-    parser.add_argument("--question", default="", help="the question: a file, or the text itself")
+    parser.add_argument(
+        "--question",
+        action="append",
+        default=[],
+        help="the question: a file, or the text itself; give it several times to answer each question "
+        "from the same compressed context (compressed once per method)",
+    )
     parser.add_argument(
         "--methods",
         default="full,centroidkv",
@@ -305,7 +342,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object per method, one per line")
     args = parser.parse_args(argv)
     if args.protocol is None:
-        args.protocol = CONTEXT_ONLY if args.context is not None and args.question else FULL_PROMPT
+        args.protocol = CONTEXT_ONLY if args.context is not None and any(args.question) else FULL_PROMPT
     return args
 
 
@@ -338,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             most = f" and below {args.model}'s {positions} positions" if positions is not None else ""
             raise ValueError(f"--max-new-tokens must be at least 1{most}, got {args.max_new_tokens}")
         context = args.prompt if args.prompt is not None else read_text(args.context, "context")
-        question = args.question
-        if question and Path(question).is_file():
-            question = Path(question).read_text().strip()
+        questions = [Path(q).read_text().strip() if q and Path(q).is_file() else q for q in args.question]
+        questions = questions or [""]
+        if len(questions) > 1 and args.protocol != CONTEXT_ONLY:
+            raise ValueError("several --question need --context and the context_only protocol")
         if not context.strip():
             raise ValueError("the context is empty")
     except ValueError as error:
@@ -353,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:  # the prompt must fit in the model's positions: checked before the model loads when known
         if positions is not None:
-            context = fitted_context(args, tokenizer, context, question, positions)
+            for question in questions:  # cut (with --truncate) for each: the longest decides
+                context = fitted_context(args, tokenizer, context, question, positions)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -369,20 +408,21 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps({**asdict(answer), "budget": budget, "budget_unit": args.budget_unit}), flush=True
             )
         else:
-            print(format_answer(answer) + "\n", flush=True)
+            print(format_answer(answer, with_question=len(questions) > 1) + "\n", flush=True)
 
     try:
         if positions is None:  # a hub model whose config was not cached: its positions are known now
             positions = getattr(model.config, "max_position_embeddings", None)
             if positions is not None:
-                context = fitted_context(args, tokenizer, context, question, positions)
+                for question in questions:
+                    context = fitted_context(args, tokenizer, context, question, positions)
         if not args.json:
-            print(protocol_line(args.protocol, budget, args.budget_unit) + "\n", flush=True)
+            print(protocol_line(args.protocol, budget, args.budget_unit, len(questions)) + "\n", flush=True)
         answers = generate(
             model,
             tokenizer,
             context,
-            question,
+            questions if len(questions) > 1 else questions[0],
             methods,
             budget,
             max_new_tokens=args.max_new_tokens,

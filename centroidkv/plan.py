@@ -16,8 +16,10 @@
 
 It returns one `Outcome` per run, in order. A prefill compressor always runs the context-only
 protocol (context prefilled and compressed, question fed afterwards); the natives run the prompt as
-given (`Prompt.protocol`). `centroidkv.generate`, `warm_up` and the harness's per-sample evaluation
-all call `run`.
+given (`Prompt.protocol`). A context-only prompt may carry further questions (`Prompt.follow_ups`):
+each run compresses the context once and answers every question from a fork of that compressed
+cache, as kvpress's pipeline does with `questions=[...]` (one outcome per run and question).
+`centroidkv.generate`, `warm_up` and the harness's per-sample evaluation all call `run`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from centroidkv.decoding import (
     prefill,
     start_fork,
 )
+from centroidkv.measurements import COMPRESSED, RunState, measure
 from centroidkv.methods import Method
 from centroidkv.needs import RECORDERS
 from centroidkv.run_options import (  # noqa: F401
@@ -52,6 +55,7 @@ from centroidkv.run_options import (  # noqa: F401
     PROTOCOLS,
     check_decode_batch,
 )
+from centroidkv.timing import Timer
 
 
 class PrefillRun(Protocol):
@@ -102,6 +106,21 @@ class Prompt:
     context: list[int]
     question: list[int]
     protocol: str = FULL_PROMPT  # the protocol of (prefilled, fed)
+    # Further questions about the same context (context-only only), each answered from the same
+    # compressed cache as `question`: ids as `question` holds them (the question's turn of the chat).
+    follow_ups: tuple[list[int], ...] = ()
+
+    @property
+    def n_questions(self) -> int:
+        return 1 + len(self.follow_ups)
+
+    def fed_ids(self, question: int) -> list[int]:
+        """What a native run feeds after compressing, for question `question` (0: `fed`)."""
+        return self.fed if question == 0 else self.follow_ups[question - 1]
+
+    def question_ids(self, question: int) -> list[int]:
+        """What a prefill compressor feeds after the context, for question `question` (0: `question`)."""
+        return self.question if question == 0 else self.follow_ups[question - 1]
 
 
 @dataclass(frozen=True)
@@ -114,11 +133,14 @@ class Run:
 
 @dataclass
 class Outcome:
-    """A run's result: its generation or its error, the protocol it ran, and its record fields
-    (`prefill_shared`, `decode_batch`, a prefill compressor's own). `answer_ids`: the first row's
-    generated ids without a final end-of-sequence token (the text a benchmark scores)."""
+    """A run's result for one question: its generation or its error, the protocol it ran, and its
+    record fields (`prefill_shared`, `decode_batch`, a prefill compressor's own). `question`: which
+    of the prompt's questions it answers (0: `Prompt.question`, k: `Prompt.follow_ups[k - 1]`).
+    `answer_ids`: the first row's generated ids without a final end-of-sequence token (the text a
+    benchmark scores)."""
 
     protocol: str
+    question: int = 0
     fields: dict[str, Any] = field(default_factory=dict)
     generation: Generation | None = None
     error: BaseException | None = None
@@ -136,30 +158,42 @@ def run(
     decode_batch: int = DEFAULT_DECODE_BATCH,
     on_outcome: Callable[[int, Outcome], None] | None = None,
 ) -> list[Outcome]:
-    """Every run of `runs` on `prompt`, greedy, `max_new_tokens` at most, one `Outcome` each (see the
-    module's docstring). A failing prefill raises (every run of the prompt fails with it); a failing
-    run keeps its error in its outcome and the others go on. `on_outcome(i, outcome)` is called as
-    soon as run i's outcome is final (e.g. to print each answer when it is ready)."""
+    """Every run of `runs` on `prompt`, greedy, `max_new_tokens` at most, one `Outcome` per run and
+    question (see the module's docstring): outcome `i * prompt.n_questions + q` is run i's answer to
+    question q, so with one question outcome i is run i's. A failing prefill raises (every run of the
+    prompt fails with it); a failing run keeps its error in its outcomes and the others go on.
+    `on_outcome(k, outcome)` is called as soon as outcome k is final (e.g. to print each answer when
+    it is ready). ValueError for follow-up questions under the full-prompt protocol."""
     check_decode_batch(decode_batch)
+    n_questions = prompt.n_questions
+    if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
+        raise ValueError("several questions need the context-only protocol (one compressed context)")
     eos = default_eos(model) if eos_token_ids is None else eos_token_ids
     device = next(model.parameters()).device
 
-    def finish(i: int) -> None:
-        outcome = outcomes[i]
+    def finish(k: int) -> None:
+        outcome = outcomes[k]
         if outcome.generation is not None:
             outcome.answer_ids = answer_ids(outcome.generation.tokens[0], eos)
         if on_outcome is not None:
-            on_outcome(i, outcome)
+            on_outcome(k, outcome)
 
     def ids(tokens: list[int]) -> torch.Tensor | None:
         return torch.tensor([tokens], device=device) if tokens else None
+
+    def keys(i: int) -> range:  # run i's outcomes, one per question
+        return range(i * n_questions, (i + 1) * n_questions)
 
     in_prefill = {
         i: r.method.prefill_run(model, r.budget, len(prompt.context), max_new_tokens, share_prefill)
         for i, r in enumerate(runs)
         if compresses_in_prefill(r.method)
     }
-    outcomes = [Outcome(CONTEXT_ONLY if i in in_prefill else prompt.protocol) for i in range(len(runs))]
+    outcomes = [
+        Outcome(CONTEXT_ONLY if i in in_prefill else prompt.protocol, question=q)
+        for i in range(len(runs))
+        for q in range(n_questions)
+    ]
     natives = [i for i in range(len(runs)) if i not in in_prefill]
     taps = {i: r for i, r in in_prefill.items() if r.shares_prefill}
     own = [i for i in in_prefill if i not in taps]
@@ -181,50 +215,69 @@ def run(
             native_prefill if one_pass else prefill(model, ids(prompt.context), max_new_tokens, taps=taps)
         )
 
-    # Each started run keeps how to start it again (its source is never modified), for the retry.
+    # Each started outcome keeps how to start it again (its source is never modified), for the retry.
     starters: dict[int, Callable[[], Fork]] = {}
     hooks: dict[int, Callable[[nn.Module], AbstractContextManager]] = {}
     for i in natives:
-        outcomes[i].fields = {"prefill_shared": True}
         method, budget = runs[i].method, runs[i].budget
-        starters[i] = partial(
-            start_fork, model, native_prefill, method, budget, max_new_tokens, ids(prompt.fed), budget_unit
+        # One question: the fork is compressed and fed in one go. Several: the context is compressed
+        # once, and each question forks that compressed cache (a copy that compresses nothing more).
+        source = (
+            native_prefill
+            if n_questions == 1
+            else _CompressedOnce(native_prefill, runs[i], max_new_tokens, budget_unit)
         )
+        for k in keys(i):
+            outcomes[k].fields = {"prefill_shared": True}
+            starters[k] = partial(
+                _start_native,
+                model,
+                source,
+                method,
+                budget,
+                max_new_tokens,
+                ids(prompt.fed_ids(outcomes[k].question)),
+                budget_unit,
+            )
     for i, tap in taps.items():
-        outcomes[i].fields = {"prefill_shared": True, **tap.record_fields()}
         tapped = press_prefill.tapped[i]
-        if tapped.error is not None:
-            outcomes[i].error = tapped.error
-            finish(i)
-            continue
-        if tap.decodes_alone:  # its masks live on the attention modules: fed and decoded under them
-            hooks[i] = tap.decoding_hooks
         source = Prefill(tapped.cache, press_prefill.first_token, press_prefill.seconds)
-        starters[i] = partial(
-            start_fork,
-            model,
-            source,
-            "full",
-            1.0,
-            max_new_tokens,
-            ids(prompt.question),
-            budget_unit,
-            compress_s=tapped.seconds,
-        )
+        for k in keys(i):
+            outcomes[k].fields = {"prefill_shared": True, **tap.record_fields()}
+            if tapped.error is not None:
+                outcomes[k].error = tapped.error
+                finish(k)
+                continue
+            if tap.decodes_alone:  # its masks live on the attention modules: fed and decoded under them
+                hooks[k] = tap.decoding_hooks
+            starters[k] = partial(
+                start_fork,
+                model,
+                source,
+                "full",
+                1.0,
+                max_new_tokens,
+                ids(prompt.question_ids(outcomes[k].question)),
+                budget_unit,
+                compress_s=tapped.seconds,
+            )
     forks: dict[int, Fork] = {}
-    for i in starters:
-        fork = _start(i, starters, hooks, model, outcomes)
+    for k in starters:
+        fork = _start(k, starters, hooks, model, outcomes)
         if fork is None:
-            finish(i)
+            finish(k)
         else:
-            forks[i] = fork
+            forks[k] = fork
     for i in own:
-        _run_own_prefill(model, in_prefill[i], prompt, max_new_tokens, eos, outcomes[i], ids)
-        finish(i)
+        _run_own_prefill(
+            model, in_prefill[i], prompt, max_new_tokens, eos, [outcomes[k] for k in keys(i)], ids
+        )
+        for k in keys(i):
+            finish(k)
 
-    batchable = [i for i in forks if i not in hooks]
-    batches = [batchable[k : k + decode_batch] for k in range(0, len(batchable), decode_batch)]
-    batches += [[i] for i in forks if i in hooks]
+    batchable = [k for k in forks if k not in hooks]
+    batches = [batchable[b : b + decode_batch] for b in range(0, len(batchable), decode_batch)]
+    batches += [[k] for k in forks if k in hooks]
     for batch in batches:
         try:
             _decode(batch, forks, hooks, model, max_new_tokens, eos, outcomes)
@@ -235,22 +288,71 @@ def run(
                 forks.pop(batch[0], None)
                 finish(batch[0])
                 continue
-            for i in batch:  # again, one at a time, each from its own (unchanged) source
-                forks.pop(i, None)
-                fork = _start(i, starters, hooks, model, outcomes)
+            for k in batch:  # again, one at a time, each from its own (unchanged) source
+                forks.pop(k, None)
+                fork = _start(k, starters, hooks, model, outcomes)
                 if fork is not None:
-                    forks[i] = fork
+                    forks[k] = fork
                     try:
-                        _decode([i], forks, hooks, model, max_new_tokens, eos, outcomes)
+                        _decode([k], forks, hooks, model, max_new_tokens, eos, outcomes)
                     except Exception as error_alone:
                         _free_memory(device)
-                        outcomes[i].error = error_alone
-                        forks.pop(i, None)
-                finish(i)
+                        outcomes[k].error = error_alone
+                        forks.pop(k, None)
+                finish(k)
             continue
-        for i in batch:
-            finish(i)
+        for k in batch:
+            finish(k)
     return outcomes
+
+
+class _CompressedOnce:
+    """A native run's context compressed once (on first use), for several questions. Each question
+    forks the compressed cache with the same method and budget, which keeps every entry and record
+    as they are (nothing is over the budget), and takes what the compression kept (`COMPRESSED`
+    measurements, this compression's time) from the compressed cache itself."""
+
+    def __init__(self, source: Prefill, run: Run, max_new_tokens: int, budget_unit: str | None):
+        self.source, self.run, self.max_new_tokens, self.budget_unit = (
+            source,
+            run,
+            max_new_tokens,
+            budget_unit,
+        )
+        self.compressed: tuple[Prefill, float, dict[str, Any]] | None = None
+
+    def get(self) -> tuple[Prefill, float, dict[str, Any]]:
+        if self.compressed is None:
+            timer = Timer(self.source.first_token.device)
+            with timer.span() as compressing:
+                cache = self.source.cache.fork(
+                    self.run.method, self.run.budget, self.max_new_tokens, budget_unit=self.budget_unit
+                )
+            state = RunState(cache, prefill_s=self.source.seconds, compress_s=compressing.seconds)
+            compressed = Prefill(cache, self.source.first_token, self.source.seconds)
+            self.compressed = (compressed, compressing.seconds, measure(COMPRESSED, state))
+        return self.compressed
+
+
+def _start_native(
+    model: nn.Module,
+    source: Prefill | _CompressedOnce,
+    method: Method,
+    budget: float,
+    max_new_tokens: int,
+    fed: torch.Tensor | None,
+    budget_unit: str | None,
+) -> Fork:
+    """A native run's fork for one question: from the shared prefill (compressed now) or from the
+    context compressed once for several questions."""
+    if not isinstance(source, _CompressedOnce):
+        return start_fork(model, source, method, budget, max_new_tokens, fed, budget_unit)
+    compressed, compress_s, measured = source.get()
+    fork = start_fork(
+        model, compressed, method, budget, max_new_tokens, fed, budget_unit, compress_s=compress_s
+    )
+    fork.measured.update(measured)  # a fork holds no decode headroom of its own before its first write
+    return fork
 
 
 def answer_ids(generated: list[int], eos_token_ids: set[int]) -> list[int]:
@@ -296,23 +398,33 @@ def _run_own_prefill(
     prompt: Prompt,
     max_new_tokens: int,
     eos: set[int],
-    outcome: Outcome,
+    outcomes: list[Outcome],
     ids: Callable[[list[int]], torch.Tensor | None],
 ) -> None:
     """A prefill compressor with a prefill of its own: prefill the context under its hooks (the
-    compression is part of that forward, so of prefill_s), then feed the question and decode under
-    its decoding hooks, on the cache it compressed (no fork, no further compression)."""
-    outcome.fields = {"prefill_shared": False}
+    compression is part of that forward, so of prefill_s), then for each question (`outcomes`, one
+    per question) feed it and decode under its decoding hooks, from the cache it compressed (each
+    question a fork of it, no further compression)."""
+    for outcome in outcomes:
+        outcome.fields = {"prefill_shared": False}
     try:
         with prefill_run.prefill_hooks(model):
             source = prefill(model, ids(prompt.context), max_new_tokens)
-        with prefill_run.decoding_hooks(model):
-            fork = start_fork(model, source, "full", 1.0, max_new_tokens, ids(prompt.question))
-            outcome.generation = decode_forks(model, [fork], max_new_tokens, eos)[0]
-        outcome.fields.update({**prefill_run.record_fields(), "decode_batch": 1})
     except Exception as error:
         _free_memory(next(model.parameters()).device)
-        outcome.error = error
+        for outcome in outcomes:
+            outcome.error = error
+        return
+    for outcome in outcomes:
+        try:
+            with prefill_run.decoding_hooks(model):
+                question = ids(prompt.question_ids(outcome.question))
+                fork = start_fork(model, source, "full", 1.0, max_new_tokens, question)
+                outcome.generation = decode_forks(model, [fork], max_new_tokens, eos)[0]
+            outcome.fields.update({**prefill_run.record_fields(), "decode_batch": 1})
+        except Exception as error:
+            _free_memory(next(model.parameters()).device)
+            outcome.error = error
 
 
 def _free_memory(device: torch.device) -> None:

@@ -1,5 +1,5 @@
-"""`python -m centroidkv.generate`: one-line errors before the model loads, one answer per method (a
-kvpress press among them) from the command line with --json, every method under one protocol, method
+"""`python -m centroidkv.generate`: one-line errors before the model loads, one answer per method and
+question (a kvpress press among the methods, two --question) from the command line with --json, every method under one protocol, method
 parameters in the method's name, and a method that cannot run answering one line while the others go on."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from centroidkv.generate import main
         (["--prompt", "hi", "--methods", "centroidkv(n_recnt=3)"], "unknown parameter(s) n_recnt"),
         (["--prompt", "hi", "--methods", "centroidkv(n_recent=-1)"], "n_recent must be an integer >= 0"),
         (["--prompt", "hi", "--methods", "snapkv:3"], "takes no name:value form"),
+        (["--prompt", "hi", "--question", "a", "--question", "b"], "several --question need --context"),
     ],
 )
 def test_bad_inputs_are_one_line_before_the_model_loads(argv, message, capsys, monkeypatch):
@@ -37,21 +38,34 @@ def test_bad_inputs_are_one_line_before_the_model_loads(argv, message, capsys, m
     assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
 
 
-def test_one_answer_per_method_as_json(tmp_path, capsys):
+def test_one_answer_per_method_and_question_as_json(tmp_path, capsys):
     context = " ".join(f"Line {i}: the river runs quietly past the old mill." for i in range(30))
+    context += " The miller's cat is called Pepper."
     (tmp_path / "context.txt").write_text(context)
-    argv = ["--context", str(tmp_path / "context.txt"), "--question", "What runs past the old mill?"]
+    questions = ["What runs past the old mill?", "What is the miller's cat called?"]
+    argv = [
+        "--context",
+        str(tmp_path / "context.txt"),
+        "--question",
+        questions[0],
+        "--question",
+        questions[1],
+    ]
     argv += ["--methods", "full,snapkv,kvpress:SnapKVPress", "--budget", "0.5", "--max-new-tokens", "4"]
     assert main([*argv, "--json"]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert sorted(a["method"] for a in answers) == ["full", "kvpress:SnapKVPress", "snapkv"]
+    methods = ["full", "snapkv", "kvpress:SnapKVPress"]
+    assert sorted((a["method"], a["question"]) for a in answers) == sorted(
+        (m, q) for m in methods for q in questions
+    )  # each method answers each question (from its context compressed once: tests/test_plan_questions.py)
     assert {a["protocol"] for a in answers} == {"context_only"}  # one protocol per call: the context's
-    full, snapkv, press = sorted(
-        answers, key=lambda a: ["full", "snapkv", "kvpress:SnapKVPress"].index(a["method"])
-    )
+    first = {a["method"]: a for a in answers if a["question"] == questions[0]}
+    full, snapkv, press = (first[m] for m in methods)
     assert full["kv_ratio"] == pytest.approx(1.0) and snapkv["kv_ratio"] < 0.6 and press["kv_ratio"] < 0.6
     assert snapkv["max_entries"] < full["min_entries"]
     assert all(a["text"] and a["ttft_s"] > 0 and a["n_generated"] <= 4 for a in answers)
+    full_texts = [a["text"] for a in answers if a["method"] == "full"]
+    assert full_texts[0] != full_texts[1]  # two questions, two answers
 
 
 def test_a_whole_prompt_runs_every_method_full_prompt_and_refuses_a_press_alone(capsys):
