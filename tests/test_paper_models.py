@@ -83,18 +83,21 @@ def test_seeded_weights():
     assert torch.equal(again.model.norm.weight, torch.ones_like(again.model.norm.weight))
 
 
+PROMPT_LEN = 512  # long enough for a compression of the middle (16 sinks + 64 recent of 129 kept)
+
+
 def test_llama8b_two_layers_bf16_prefill_compress_decode():
-    """The paper's model, cut to 2 layers, in bf16: prefill 2k tokens, compress to 0.25, decode."""
+    """The paper's model, cut to 2 layers, in bf16: prefill 512 tokens, compress to 0.25, decode."""
     model, _ = load_model("random-llama3.1-8b:2", dtype=torch.bfloat16, device="cpu")
     assert model.model.embed_tokens.weight.shape == (128256, 4096) and len(model.model.layers) == 2
-    ids = torch.randint(0, 128256, (1, 2048), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     # no outlier heads: "auto" would calibrate this random model on first use (minutes on a CPU)
     cache = CompressedCache(
         get_method("centroidkv", heads="none"), budget=0.25, max_new_tokens=4, budget_unit="entries"
     )
     with torch.inference_mode():
         logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
-        budget = int(0.25 * (2048 + 4))
+        budget = int(0.25 * (PROMPT_LEN + 4))
         assert cache.seq_lengths() == [budget, budget]
         assert cache.layers[0].keys.dtype == torch.bfloat16
         steps = []
@@ -103,7 +106,7 @@ def test_llama8b_two_layers_bf16_prefill_compress_decode():
             logits = model(token, past_key_values=cache, logits_to_keep=1).logits
             steps.append(logits)
     assert all(bool(torch.isfinite(step).all()) for step in steps)
-    assert cache.get_seq_length() == 2048 + 3
+    assert cache.get_seq_length() == PROMPT_LEN + 3
     degrees = cache.layers[1].log_degree.exp().sum(-1)  # every original token is counted once
-    assert torch.allclose(degrees, torch.full_like(degrees, 2048 + 3), rtol=1e-3)
+    assert torch.allclose(degrees, torch.full_like(degrees, PROMPT_LEN + 3), rtol=1e-3)
     assert math.isfinite(float(steps[-1].float().abs().max()))
