@@ -66,15 +66,14 @@ class Answer:
     error: str | None = None  # one line when the method could not run; every field below is then empty
     text: str = ""
     n_generated: int = 0
+    # The measurements under their record names (`centroidkv.measurements`):
     kv_ratio: float | None = None  # bytes stored / bytes of a full cache of the same tokens
-    budget_ratio: float | None = (
-        None  # bytes stored after compression / a full cache of prompt + max_new_tokens
-    )
+    kv_budget_ratio: float | None = None  # bytes after compression / a full cache of prompt + max new tokens
     kv_bytes: int | None = None  # what decoding started from
     min_entries: int = 0  # entries per layer at the end of decoding, smallest layer
     max_entries: int = 0  # ... largest layer
-    ttft_s: float | None = None  # prefill + compression (+ the question fed after it)
-    tpot_s: float | None = None  # mean decode step after the first; None when there was none
+    ttft: float | None = None  # seconds: prefill + compression (+ the question fed after it)
+    tpot: float | None = None  # seconds: mean decode step after the first; None when there was none
     prefill_s: float | None = (
         None  # the shared prefill (a method compressing in its own: compression included)
     )
@@ -239,12 +238,12 @@ def _outcome_answer(asked: str, method: Method, outcome: Outcome, tokenizer, que
         text=tokenizer.decode(outcome.answer_ids, skip_special_tokens=True).strip(),
         n_generated=len(outcome.answer_ids),
         kv_ratio=measured["kv_ratio"],
-        budget_ratio=measured["kv_budget_ratio"],
+        kv_budget_ratio=measured["kv_budget_ratio"],
         kv_bytes=measured["kv_bytes"],
         min_entries=min(generation.seq_lengths, default=0),
         max_entries=max(generation.seq_lengths, default=0),
-        ttft_s=measured["ttft"],
-        tpot_s=measured["tpot"],
+        ttft=measured["ttft"],
+        tpot=measured["tpot"],
         prefill_s=measured["prefill_s"],
         compress_s=measured["compress_s"],
     )
@@ -267,7 +266,7 @@ def format_answer(answer: Answer, with_question: bool = False) -> str:
     title = f"== {answer.method} ({answer.label})" + (f" · Q: {answer.question}" if with_question else "")
     if answer.error is not None:
         return f"{title}: cannot run: {answer.error}"
-    tpot = "-" if answer.tpot_s is None else f"{answer.tpot_s * 1000:.0f} ms"
+    tpot = "-" if answer.tpot is None else f"{answer.tpot * 1000:.0f} ms"
     entries = (
         f"{answer.min_entries}"
         if answer.min_entries == answer.max_entries
@@ -275,7 +274,7 @@ def format_answer(answer: Answer, with_question: bool = False) -> str:
     )
     mib = f"{answer.kv_bytes / 2**20:.1f} MiB"
     kv = (
-        f"kv: {answer.budget_ratio:.3f} of the budget's full cache (prompt + max new tokens), "
+        f"kv: {answer.kv_budget_ratio:.3f} of the budget's full cache (prompt + max new tokens), "
         f"{answer.kv_ratio:.3f} of a full cache of the same tokens, {mib}"
         if answer.compresses
         else f"kv: the full cache (no budget), {mib}"
@@ -285,7 +284,7 @@ def format_answer(answer: Answer, with_question: bool = False) -> str:
             title,
             f"answer: {answer.text}",
             f"{kv}; entries per layer: {entries}",
-            f"time: ttft {answer.ttft_s:.2f} s (prefill {answer.prefill_s:.2f} s, compression "
+            f"time: ttft {answer.ttft:.2f} s (prefill {answer.prefill_s:.2f} s, compression "
             f"{answer.compress_s:.2f} s), tpot {tpot}, {answer.n_generated} tokens",
         ]
     )
