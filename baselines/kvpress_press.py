@@ -62,6 +62,7 @@ from centroidkv.attention import attention_modules
 from centroidkv.budget import budget_entries
 from centroidkv.errors import first_line
 from centroidkv.methods import LayerKV, LayerStats, Method, register
+from centroidkv.params import did_you_mean
 
 EXTRA = 'kvpress is not installed: pip install -e ".[kvpress]"'
 INNER_FIELDS = ("press", "base_press", "prefilling_press", "decoding_press")
@@ -162,7 +163,10 @@ def construct_press(name: str, params: dict[str, Any], ratio: float):
     """The kvpress press `name` built with `params`; inner presses built from their names."""
     kvpress = import_kvpress()
     if name not in press_names():
-        raise ValueError(f"kvpress: unknown press {name!r}; choose one of {', '.join(press_names())}")
+        raise ValueError(
+            f"kvpress: unknown press {name!r}; choose one of {', '.join(press_names())}"
+            + did_you_mean(name, press_names())
+        )
     cls = getattr(kvpress, name)
     fields = set(inspect.signature(cls).parameters)  # some presses have their own __init__
     unknown = sorted(set(params) - fields)
@@ -424,10 +428,8 @@ class KVPress(Method):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.press, str):
+        if not isinstance(self.press, str):  # its field's rule takes a path too (centroidkv.params)
             raise ValueError(f"{self.name}: press must be a kvpress class name, got {self.press!r}")
-        if not isinstance(self.press_params, dict):
-            raise ValueError(f"{self.name}: press_params must be a mapping, got {self.press_params!r}")
         self.press_params = dict(self.press_params)
         if self.heads != "none":
             raise ValueError(
