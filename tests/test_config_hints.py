@@ -116,6 +116,7 @@ def test_every_method_s_defaults_pass_its_rules():
         ("duo_attention", {"heads": "budget"}, "duo_attention: heads must be whole"),
         ("full", {"kv_group": 0}, "full: kv_group must be an integer >= 1, got 0"),
         ("kvpress", {"press_params": 3}, "kvpress: press_params must be a mapping, got 3"),
+        ("kvpress", {"heads": "whole"}, "kvpress: heads must be none (presses compress inside kvpress's"),
         ("centroidkv", {"n_recnt": 3}, "centroidkv: unknown parameter(s) n_recnt; known: "),
     ],
 )
