@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from baselines.h2o import H2O
-from centroidkv.methods import LayerKV, LayerStats, check_int, register
+from centroidkv.methods import LayerKV, LayerStats, param, register
 
 
 @register
@@ -46,13 +46,8 @@ class CaM(H2O):
     name = "cam"
     label = "CaM"
 
-    merge_budget: int = 32
-    seed: int = 0
-
-    def validate(self) -> None:
-        super().validate()
-        check_int(self, "merge_budget", minimum=1)
-        check_int(self, "seed", minimum=0)
+    merge_budget: int = param(32, minimum=1)
+    seed: int = param(0, minimum=0)
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         batch, heads, length = kv.log_degree.shape

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baselines.streaming_llm import StreamingLLM
-from centroidkv.methods import register
+from centroidkv.methods import param, register
 
 
 @register
@@ -39,13 +39,10 @@ class DuoAttention(StreamingLLM):
     name = "duo_attention"
     label = "DuoAttention"
 
-    heads: str = "whole"
+    # its retrieval heads keep the full cache: the one policy of HEAD_POLICIES it takes
+    heads: str = param(
+        "whole",
+        choices=("whole",),
+        reason="the retrieval heads keep the full cache; other policies: streaming_llm",
+    )
     heads_file: str = "streaming"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.heads != "whole":
-            raise ValueError(
-                f"{self.name}: heads must be whole (the retrieval heads keep the full cache); "
-                f"for other policies use streaming_llm with heads={self.heads}"
-            )

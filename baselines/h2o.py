@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from baselines._select import top_k_in_order
-from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_float, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, param, register
 from centroidkv.needs import ATTENTION_SUM
 
 
@@ -40,16 +40,12 @@ class H2O(Method):
     label = "H2O"
 
     n_sink: int = 0
-    recent_ratio: float = 0.5
+    recent_ratio: float = param(
+        0.5, minimum=0.0, maximum=1.0, high_open=True, reason="1 leaves no room for heavy hitters"
+    )
 
     def needs(self) -> tuple[Need, ...]:
         return (ATTENTION_SUM,)
-
-    def validate(self) -> None:
-        super().validate()
-        check_float(self, "recent_ratio", 0.0, 1.0)
-        if self.recent_ratio == 1.0:
-            raise ValueError(f"{self.name}: recent_ratio must be < 1 (1 leaves no room for heavy hitters)")
 
     def n_recent_middle(self, target_len: int) -> int:
         """Newest middle tokens kept unconditionally, so that the recent share is recent_ratio * B."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from centroidkv.methods import LayerKV, LayerStats, Method, register
+from centroidkv.methods import LayerKV, LayerStats, Method, param, register
 
 KIVI_PRECISIONS = ("int2", "int4")
 
@@ -30,15 +30,11 @@ class Kivi(Method):
     label = "KIVI"
     compresses = False
 
-    kv_precision: str = "int2"
-
-    def validate(self) -> None:
-        super().validate()
-        if self.kv_precision not in KIVI_PRECISIONS:
-            raise ValueError(
-                f"{self.name}: kv_precision must be one of {', '.join(KIVI_PRECISIONS)} (KIVI-2, KIVI-4), "
-                f"got {self.kv_precision!r}; other precisions: method full with kv_precision"
-            )
+    kv_precision: str = param(
+        "int2",
+        choices=KIVI_PRECISIONS,
+        reason="KIVI-2, KIVI-4; other precisions: method full with kv_precision",
+    )
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         return kv

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from centroidkv.methods import LayerKV, LayerStats, Method, check_int, register
+from centroidkv.methods import LayerKV, LayerStats, Method, param, register
 from centroidkv.needs import pool_extras
 
 INITS = ("uniform", "random")
@@ -262,21 +262,11 @@ class KMeans(Method):
     label = "K-Means"
     merges = True
 
-    iterations: int = 10
-    init: str = "uniform"
-    seed: int = 0
-    cosine: bool = True
+    iterations: int = param(10, minimum=1)
+    init: str = param("uniform", choices=INITS)
+    seed: int = param(0, minimum=0)
+    cosine: bool = True  # a bool: checked as one (centroidkv.params)
     stop_at_fixed_point: bool = True
-
-    def validate(self) -> None:
-        super().validate()
-        check_int(self, "iterations", minimum=1)
-        check_int(self, "seed", minimum=0)
-        if self.init not in INITS:
-            raise ValueError(f"{self.name}: init must be one of {', '.join(INITS)}, got {self.init!r}")
-        for flag in ("cosine", "stop_at_fixed_point"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{self.name}: {flag} must be True or False, got {getattr(self, flag)!r}")
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         seed = hash((self.seed, stats.layer_idx, kv.length)) % (2**63) if self.init == "random" else 0

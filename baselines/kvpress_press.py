@@ -62,6 +62,7 @@ from centroidkv.attention import attention_modules
 from centroidkv.budget import budget_entries
 from centroidkv.errors import first_line
 from centroidkv.methods import LayerKV, LayerStats, Method, register
+from centroidkv.params import did_you_mean, param
 
 EXTRA = 'kvpress is not installed: pip install -e ".[kvpress]"'
 INNER_FIELDS = ("press", "base_press", "prefilling_press", "decoding_press")
@@ -162,7 +163,10 @@ def construct_press(name: str, params: dict[str, Any], ratio: float):
     """The kvpress press `name` built with `params`; inner presses built from their names."""
     kvpress = import_kvpress()
     if name not in press_names():
-        raise ValueError(f"kvpress: unknown press {name!r}; choose one of {', '.join(press_names())}")
+        raise ValueError(
+            f"kvpress: unknown press {name!r}; choose one of {', '.join(press_names())}"
+            + did_you_mean(name, press_names())
+        )
     cls = getattr(kvpress, name)
     fields = set(inspect.signature(cls).parameters)  # some presses have their own __init__
     unknown = sorted(set(params) - fields)
@@ -421,24 +425,24 @@ class KVPress(Method):
 
     press: str = "SnapKVPress"
     press_params: dict[str, Any] = field(default_factory=dict)
+    # a press compresses in kvpress's own hooks: no head policy, the model's dtype (their one choices)
+    heads: str = param(
+        "none",
+        choices=("none",),
+        reason="presses compress inside kvpress's own hooks, which apply no head policy; "
+        "native methods take heads=whole|budget",
+    )
+    kv_precision: str = param(
+        "model",
+        choices=("model",),
+        reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
+    )
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.press, str):
+        if not isinstance(self.press, str):  # its field's rule takes a path too (centroidkv.params)
             raise ValueError(f"{self.name}: press must be a kvpress class name, got {self.press!r}")
-        if not isinstance(self.press_params, dict):
-            raise ValueError(f"{self.name}: press_params must be a mapping, got {self.press_params!r}")
         self.press_params = dict(self.press_params)
-        if self.heads != "none":
-            raise ValueError(
-                f"{self.name}: presses compress inside kvpress's own hooks, which apply no head policy "
-                "(heads=none); native methods take heads=whole|budget"
-            )
-        if self.kv_precision != "model":
-            raise ValueError(
-                f"{self.name}: kv_precision needs the harness's own cache; a press compresses in kvpress's "
-                "hooks and stores the model's dtype (kv_precision=model)"
-            )
         build_press(self.press, self.press_params, 0.5)  # every bad name or value fails here, before a run
 
     @classmethod

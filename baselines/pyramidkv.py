@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baselines.snapkv import SnapKV
-from centroidkv.methods import check_float, register
+from centroidkv.methods import param, register
 
 
 @register
@@ -33,11 +33,7 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     label = "PyramidKV"
 
-    beta: float = 20.0
-
-    def validate(self) -> None:
-        super().validate()
-        check_float(self, "beta", 1.0, float("inf"))
+    beta: float = param(20.0, minimum=1.0, maximum=float("inf"))
 
     def layer_budget(self, budget_len: int, layer_idx: int, n_layers: int) -> int:
         protected = self.n_sink + self.n_recent

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from baselines._select import top_k_in_order
 from centroidkv.cache import causal_allowed
-from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_int, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, param, register
 from centroidkv.needs import query_window
 
 POOLINGS = ("avgpool", "maxpool")
@@ -82,25 +82,15 @@ class SnapKV(Method):
 
     n_sink: int = 0
     n_recent: int = 32
-    window_size: int = 32
-    kernel_size: int = 5
-    pooling: str = "avgpool"
+    window_size: int = param(32, minimum=1)
+    kernel_size: int = param(5, minimum=1, parity="odd", reason="same-length pooling")
+    pooling: str = param("avgpool", choices=POOLINGS)
 
     def needs(self) -> tuple[Need, ...]:
         return query_window(self.window_size)
 
     def validate(self) -> None:
         super().validate()
-        check_int(self, "window_size", minimum=1)
-        check_int(self, "kernel_size", minimum=1)
-        if self.kernel_size % 2 == 0:
-            raise ValueError(
-                f"{self.name}: kernel_size must be odd (same-length pooling), got {self.kernel_size}"
-            )
-        if self.pooling not in POOLINGS:
-            raise ValueError(
-                f"{self.name}: pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}"
-            )
         if self.n_recent < self.window_size:
             raise ValueError(
                 f"{self.name}: n_recent ({self.n_recent}) must be >= window_size ({self.window_size}): "

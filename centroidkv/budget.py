@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from centroidkv.params import did_you_mean
+
 BUDGET_UNITS = ("bytes", "entries")
 DEFAULT_BUDGET_UNIT = "bytes"
 RECORD_BYTES = 4  # every per-entry record (log-degree, position, attention sum) is one float32
@@ -43,7 +45,9 @@ def check_budget(budget: object) -> float:
 
 def check_budget_unit(unit: str) -> None:
     if unit not in BUDGET_UNITS:
-        raise ValueError(f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {unit!r}")
+        raise ValueError(
+            f"budget_unit: must be one of {', '.join(BUDGET_UNITS)}, got {unit!r}{did_you_mean(unit, BUDGET_UNITS)}"
+        )
 
 
 def solve_entries(stored_bytes: Callable[[int], int], target_bytes: int, upper: int) -> int:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from centroidkv.csm import csm_compress
-from centroidkv.methods import LayerKV, LayerStats, Method, Need, check_float, register
+from centroidkv.methods import LayerKV, LayerStats, Method, Need, param, register
 from centroidkv.needs import POSITION
 from centroidkv.schedule import AdaptiveSchedule, LinearSchedule
 
@@ -85,32 +85,17 @@ class CentroidKV(Method):
     label = "CentroidKV"
     merges = True
 
-    chunk_size: int = 256
-    schedule: str = "adaptive"
-    r_init: float = 0.5
-    delta_r: float = 0.0
-    r_min: float = 0.1
-    similarity: str = "pre_rope"
+    chunk_size: int = param(256, minimum=2, parity="even", reason="A/B alternate")
+    schedule: str = param("adaptive", choices=SCHEDULES)
+    r_init: float = param(0.5, minimum=0.0, maximum=1.0, low_open=True)
+    delta_r: float = param(0.0, minimum=0.0, maximum=1.0)
+    r_min: float = param(0.1, minimum=0.0, maximum=1.0, low_open=True)
+    similarity: str = param("pre_rope", choices=SIMILARITIES)
     heads: str = "whole"
     heads_file: str = "clustering"
 
     def validate(self) -> None:
-        super().validate()
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 2:
-            raise ValueError(f"centroidkv: chunk_size must be an even integer >= 2, got {self.chunk_size!r}")
-        if self.chunk_size % 2:
-            raise ValueError(f"centroidkv: chunk_size must be even (A/B alternate), got {self.chunk_size}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"centroidkv: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
-            )
-        if self.similarity not in SIMILARITIES:
-            raise ValueError(
-                f"centroidkv: similarity must be one of {', '.join(SIMILARITIES)}, got {self.similarity!r}"
-            )
-        check_float(self, "r_init", 0.0, 1.0, low_open=True)
-        check_float(self, "delta_r", 0.0, 1.0)
-        check_float(self, "r_min", 0.0, 1.0, low_open=True)
+        super().validate()  # every field's rule; then what involves two of them
         if self.r_min > self.r_init:
             raise ValueError(f"centroidkv: r_min ({self.r_min}) must not exceed r_init ({self.r_init})")
 

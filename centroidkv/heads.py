@@ -36,18 +36,10 @@ from centroidkv.calibrate import HEAD_SCORES
 HEAD_POLICIES = ("none", "whole", "budget")
 
 
-def check_head_policy(name: str, policy: str, head_file: str | Path, boost: float) -> None:
-    """One ValueError line for a policy, score or file name or boost that cannot run (the fraction is
-    checked with the method's other numbers, `centroidkv.methods.check_float`)."""
-    if policy not in HEAD_POLICIES:
-        raise ValueError(f"{name}: heads must be one of {', '.join(HEAD_POLICIES)}, got {policy!r}")
-    if not isinstance(head_file, (str, Path)):
-        raise ValueError(
-            f"{name}: heads_file must be {' or '.join(HEAD_SCORES)} or a path, got {head_file!r}"
-        )
-    ok = isinstance(boost, (int, float)) and not isinstance(boost, bool) and 1 < boost < math.inf
-    if not ok:
-        raise ValueError(f"{name}: heads_boost must be a number > 1, got {boost!r}")
+def check_head_source(policy: str, head_file: str | Path) -> None:
+    """One ValueError line for a head file that a policy would read and that is missing or malformed
+    (the policy, the score's name or path, the fraction and the boost are rules of the method's fields:
+    `centroidkv.methods.Method`)."""
     if policy != "none" and str(head_file) not in HEAD_SCORES:
         from centroidkv.calibrate import read_head_file
 

@@ -18,12 +18,11 @@ it in your own package with, in its pyproject.toml,
 
 from __future__ import annotations
 
-import ast
+import copy
 import dataclasses
 import importlib
 import math
 import pkgutil
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -32,13 +31,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
-from centroidkv.heads import check_head_policy
+from centroidkv.calibrate import HEAD_SCORES
+from centroidkv.heads import HEAD_POLICIES, check_head_source
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
-from centroidkv.parsing import split_top_level
+from centroidkv.params import check_param, field_rules, param, unknown_params_error
+from centroidkv.parsing import parse_method_spec, shorthand_error
 from centroidkv.quantization import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
+    PRECISIONS,
     STORAGE_PARAMS,
     StorageFormat,
     check_precision,
@@ -58,6 +60,7 @@ __all__ = [
     "method_label",
     "method_names",
     "method_variant",
+    "param",
     "parse_method",
     "precision_suffix",
     "register",
@@ -89,8 +92,10 @@ class Method:
         KIVI's integer codes "int8" / "int4" / "int2" in groups of kv_group with the newest
         kv_residual tokens in full precision. At "model" they are left out of `params()`, so runs
         without a precision keep their identity.
-    Subclasses declare their own parameters as dataclass fields with their paper's defaults and
-    extend `validate`.
+    Subclasses declare their own parameters as dataclass fields with their paper's defaults, each
+    field's simple rule with `param` (`centroidkv.params`: checked by `validate` for every field, and
+    without torch by `centroidkv.schema`), and extend `validate` with their cross-field checks only.
+    A field redefined with a plain default keeps its base class's rule.
     """
 
     name: ClassVar[str] = "base"
@@ -100,16 +105,16 @@ class Method:
     # The parameter that a command line's `name:value` sets (`parse_method`), e.g. a wrapper's target.
     shorthand: ClassVar[str | None] = None
 
-    n_sink: int = 16
-    n_recent: int = 64
-    compress_interval: int = 64
-    heads: str = "none"
-    heads_file: str = "clustering"
-    heads_fraction: float = 0.04
-    heads_boost: float = 4.0
-    kv_precision: str = "model"
-    kv_group: int = DEFAULT_GROUP
-    kv_residual: int = DEFAULT_RESIDUAL
+    n_sink: int = param(16, minimum=0)
+    n_recent: int = param(64, minimum=0)
+    compress_interval: int = param(64, minimum=1)
+    heads: str = param("none", choices=HEAD_POLICIES)
+    heads_file: str = param("clustering", reason=f"{' or '.join(HEAD_SCORES)} or a path")
+    heads_fraction: float = param(0.04, minimum=0.0, maximum=1.0)
+    heads_boost: float = param(4.0, minimum=1, low_open=True)
+    kv_precision: str = param("model", choices=PRECISIONS)
+    kv_group: int = param(DEFAULT_GROUP, minimum=1)
+    kv_residual: int = param(DEFAULT_RESIDUAL, minimum=0)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -217,12 +222,12 @@ class Method:
         return listed_heads_for(model, self.heads_file, self.heads_fraction, self.calibration_settings())
 
     def validate(self) -> None:
-        check_int(self, "n_sink", minimum=0)
-        check_int(self, "n_recent", minimum=0)
-        check_int(self, "compress_interval", minimum=1)
-        check_float(self, "heads_fraction", 0.0, 1.0)
-        check_head_policy(self.name, self.heads, self.heads_file, self.heads_boost)
-        check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)
+        """Every field by its declared rule (`centroidkv.params`), then what involves several fields
+        or a file; a subclass extends this with its own cross-field checks."""
+        for field_name, rule in field_rules(type(self)).items():
+            check_param(self.name, field_name, getattr(self, field_name), rule)
+        check_head_source(self.heads, self.heads_file)
+        check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)  # a power-of-two group
         if self.heads != "none" and not self.compresses:
             raise ValueError(f"{self.name}: a head policy needs a method that compresses (heads=none)")
 
@@ -242,28 +247,34 @@ class Method:
     def params(self) -> dict:
         """The parameters; the storage ones only when a precision is set (records and job identities
         of runs in the model's dtype stay as they were)."""
-        params = dataclasses.asdict(self)
-        if self.kv_precision == "model":
-            for name in STORAGE_PARAMS:
-                params.pop(name)
-        return params
+        return _recorded(dataclasses.asdict(self))
+
+    @classmethod
+    def default_params(cls) -> dict:
+        """`params()` of the method built with its defaults, without building it (so without what its
+        `validate` may import: the configuration's schema, `centroidkv.schema`)."""
+        return _recorded({name: copy.deepcopy(rule["default"]) for name, rule in field_rules(cls).items()})
+
+
+def _recorded(params: dict[str, Any]) -> dict[str, Any]:
+    """A method's parameters as runs record them: without the storage ones in the model's dtype."""
+    if params.get("kv_precision") == "model":
+        for name in STORAGE_PARAMS:
+            params.pop(name)
+    return params
 
 
 def check_int(method: Method, field: str, minimum: int) -> None:
-    """Raise one clear ValueError unless the field is an integer (not a bool) >= `minimum`."""
-    value = getattr(method, field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{method.name}: {field} must be an integer >= {minimum}, got {value!r}")
+    """Raise one clear ValueError unless the field is an integer (not a bool) >= `minimum`. For
+    plug-ins' own checks; a field's simple rule is better declared with `param` (checked without torch)."""
+    check_param(method.name, field, getattr(method, field), {"type": "int", "minimum": minimum})
 
 
 def check_float(method: Method, field: str, low: float, high: float, low_open: bool = False) -> None:
-    """Raise one clear ValueError unless `low <= value <= high` (or `low < value` when low_open)."""
-    value = getattr(method, field)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise ValueError(f"{method.name}: {field} must be a number in {bracket}{low}, {high}], got {value!r}")
+    """Raise one clear ValueError unless `low <= value <= high` (or `low < value` when low_open); see
+    `check_int`."""
+    rule = {"type": "float", "minimum": low, "maximum": high, "low_open": low_open}
+    check_param(method.name, field, getattr(method, field), rule)
 
 
 def _model_shape(model_name: str) -> tuple[int, int] | None:
@@ -383,11 +394,9 @@ def get_method(name: str, **params) -> Method:
     """Build a registered method with keyword parameters; unknown names and parameters raise ValueError."""
     cls = method_class(name)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(params) - known)
+    unknown = set(params) - known
     if unknown:
-        raise ValueError(
-            f"{name}: unknown parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
+        raise ValueError(unknown_params_error(name, unknown, known))
     return cls(**params)
 
 
@@ -395,35 +404,10 @@ def parse_method(spec: str) -> Method:
     """A method from its command-line form: `name`, `name:value` (the class's `shorthand` parameter,
     e.g. a wrapper's target) or `name(key=value, ...)` with Python literals or bare words as values,
     e.g. `centroidkv(n_recent=32, heads=none)`. ValueError (one line) for anything else."""
-    spec = spec.strip()
-    match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?::(.+)|\((.*)\))?", spec, flags=re.S)
-    if match is None:
-        raise ValueError(f"method {spec!r}: write name, name:value or name(key=value, ...)")
-    name, short, arguments = match.groups()
-    params: dict[str, Any] = {}
+    name, short, params = parse_method_spec(spec)  # the one parser (centroidkv.parsing)
     if short is not None:
         field_name = method_class(name).shorthand
         if field_name is None:
-            raise ValueError(
-                f"method {spec!r}: {name} takes no name:value form; write {name}(key=value, ...)"
-            )
-        params[field_name] = short.strip()
-    for item in split_top_level(arguments or ""):
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip().isidentifier():
-            raise ValueError(f"method {spec!r}: {item.strip()!r} is not key=value")
-        params[key.strip()] = _literal(value.strip())
+            raise ValueError(shorthand_error(spec, name))
+        params = {field_name: short, **params}
     return get_method(name, **params)
-
-
-def _literal(text: str) -> Any:
-    """A Python literal (1, 0.5, True, "x", [1, 2]); true/false/null as YAML writes them; else the text
-    (so `heads=none` is the word "none", as in the YAML configs)."""
-    lowered = {"true": True, "false": False, "null": None}
-    if text.lower() in lowered:
-        return lowered[text.lower()]
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-    return text if value is None else value  # Python's None is not a YAML value: keep the word

@@ -18,13 +18,22 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, cache_dir  # noqa: F401
+from centroidkv.model_names import (  # noqa: F401  (the names, read without torch, re-exported)
+    EMBEDDED_MODEL,
+    HUB_MODELS,
+    MODEL_NAMES,
+    PAPER_DEPTHS,
+    RANDOM_MODELS,
+    TINY_MODELS,
+    cache_dir,
+    check_model_name,
+    parse_model_name,
+)
 
 # The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
 _LLAMA_MISTRAL_7B = dict(
     hidden_size=4096,
     intermediate_size=14336,
-    num_hidden_layers=32,
     num_attention_heads=32,
     num_key_value_heads=8,
     head_dim=128,
@@ -37,6 +46,7 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
         LlamaForCausalLM,
         dict(
             _LLAMA_MISTRAL_7B,
+            num_hidden_layers=PAPER_DEPTHS["random-llama3.1-8b"],
             vocab_size=128256,
             max_position_embeddings=131072,
             rope_parameters=dict(
@@ -56,6 +66,7 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
         MistralForCausalLM,
         dict(
             _LLAMA_MISTRAL_7B,
+            num_hidden_layers=PAPER_DEPTHS["random-mistral-7b"],
             vocab_size=32768,
             max_position_embeddings=32768,
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
@@ -71,7 +82,7 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
             vocab_size=152064,
             hidden_size=3584,
             intermediate_size=18944,
-            num_hidden_layers=28,
+            num_hidden_layers=PAPER_DEPTHS["random-qwen2-7b"],
             num_attention_heads=28,
             num_key_value_heads=4,
             head_dim=128,
@@ -85,33 +96,7 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
         ),
     ),
 }
-MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_CONFIGS, *TINY_MODELS)
-RANDOM_MODELS = (*PAPER_CONFIGS, *TINY_MODELS)  # seeded random weights, no tokenizer
-
-
-def parse_model_name(name: str) -> tuple[str, int | None]:
-    """`random-llama3.1-8b:2` -> ("random-llama3.1-8b", 2); any other valid name -> (name, None).
-
-    Raises one ValueError for an unknown name or a depth outside 1 .. the published layer count.
-    """
-    base, colon, depth = name.partition(":") if isinstance(name, str) else (name, "", "")
-    if base not in MODEL_NAMES:
-        raise ValueError(
-            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)} "
-            f"(random-*:N keeps the first N layers)"
-        )
-    if not colon:
-        return base, None
-    if base not in PAPER_CONFIGS:
-        raise ValueError(f"model {name!r}: only the random-* models take a depth (:N)")
-    full_depth = PAPER_CONFIGS[base][2]["num_hidden_layers"]
-    if not depth.isdigit() or not 1 <= int(depth) <= full_depth:
-        raise ValueError(f"model {name!r}: the depth after ':' must be an integer in 1..{full_depth}")
-    return base, int(depth)
-
-
-def check_model_name(name: str) -> None:
-    parse_model_name(name)
+assert set(PAPER_CONFIGS) == set(PAPER_DEPTHS), "a paper-shaped model needs its depth in model_names"
 
 
 def canonical_model_name(name: str) -> str:

@@ -31,10 +31,12 @@ from eval.config import (
     ConfigError,
     RunConfig,
     build_run_config,
+    first_pass_errors,
     named_job,
     store_configs,
 )
 from eval.records import JobError, JobStore, check_results_folder
+from eval.schema import config_schema
 
 try:  # optional: pip install -e ".[slurm]"
     from hydra_plugins.hydra_submitit_launcher import config as submitit_config
@@ -73,22 +75,32 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
     hydra = Hydra.create_main_hydra2(task_name="run", config_search_path=search_path)
     try:
         jobs = _job_overrides(hydra, config_name, args.overrides, args.multirun, RunMode)
-        configs, errors = [], []
+        configs, errors, composed = [], [], []
         swept = _swept(jobs)
-        for index, overrides in enumerate(jobs):
+
+        def where(index: int) -> str:
+            return (
+                f"job {index} ({','.join(o for o in jobs[index] if o in swept)}): " if len(jobs) > 1 else ""
+            )
+
+        for overrides in jobs:
             cfg = hydra.compose_config(
                 config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
             )
             dirname = cfg.hydra.job.override_dirname
             with open_dict(cfg):
                 del cfg["hydra"]  # its interpolations only resolve inside a running job
+            composed.append((cfg, dirname))
+        schema = config_schema()
+        for index, (cfg, _) in enumerate(composed):  # every job's first pass before torch is imported
+            errors.extend(f"{where(index)}{line}" for line in first_pass_errors(cfg, schema))
+        if errors:
+            raise ConfigError(errors)
+        for index, (cfg, dirname) in enumerate(composed):
             try:
-                configs.append(named_job(build_run_config(cfg), dirname))
+                configs.append(named_job(build_run_config(cfg, schema=schema), dirname))
             except ConfigError as error:
-                where = (
-                    f"job {index} ({','.join(o for o in overrides if o in swept)}): " if len(jobs) > 1 else ""
-                )
-                errors.extend(f"{where}{line}" for line in error.lines)
+                errors.extend(f"{where(index)}{line}" for line in error.lines)
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:  # Hydra's own, one line
@@ -193,7 +205,7 @@ def _key_hint(hydra, config_name: str, overrides: list[str], line: str) -> str:
 
     from hydra.types import RunMode
 
-    from eval.schema import config_schema, known_keys, suggestion
+    from eval.schema import known_keys, suggestion
 
     found = re.match(r"Could not override '([^']+)'", line)
     if found is None:

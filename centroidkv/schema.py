@@ -1,0 +1,150 @@
+"""The methods' and models' schema, known without importing torch: the model names, and each registered
+method's parameters with their defaults and rules (`centroidkv.params`) and its shorthand parameter;
+and the torch-free checks built on it (`check_method_spec`, `method_spec_errors`).
+
+The method registry imports every method's module, which imports torch and transformers (about 6 s),
+so the schema is kept in `<cache dir>/config_schema.json` (`$CENTROIDKV_CACHE`, else
+~/.cache/centroidkv) under a fingerprint of what defines it: the path, size and modification time of
+every Python file of the library and of each package declared under the methods' entry-point group
+(`centroidkv.registry.METHOD_ENTRY_POINTS`), and those distributions' versions. Any change there
+rebuilds it (one slow start); otherwise a bad method or value is one line in well under a second.
+The harness's configuration (`eval.schema`) reads the same schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from centroidkv.model_names import MODEL_NAMES, cache_dir
+from centroidkv.params import did_you_mean, param_errors
+from centroidkv.parsing import parse_method_spec, shorthand_error
+from centroidkv.registry import METHOD_ENTRY_POINTS
+
+SCHEMA_VERSION = 2  # 2: per method {params, rules, shorthand} (1: the parameters' defaults only)
+SOURCE_PACKAGES = ("centroidkv",)  # the packages declared under METHOD_ENTRY_POINTS come on top
+
+
+def _package_files(package: str) -> list[Path]:
+    """The Python files of an importable top-level package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return []
+    roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+    files = []
+    for root in map(Path, roots):
+        files += sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    return files
+
+
+def fingerprint() -> str:
+    """A hash of everything the schema is derived from (see the module's docstring)."""
+    packages = set(SOURCE_PACKAGES)
+    plugins = []
+    for entry_point in metadata.entry_points(group=METHOD_ENTRY_POINTS):
+        packages.add(entry_point.value.split(":")[0].split(".")[0])
+        distribution = getattr(entry_point, "dist", None)
+        plugins.append(f"{entry_point.value}@{distribution.version if distribution else ''}")
+    digest = hashlib.sha256(f"{SCHEMA_VERSION}|{sorted(plugins)}".encode())
+    for package in sorted(packages):
+        for path in _package_files(package):
+            stat = path.stat()
+            digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def build_schema() -> dict[str, Any]:
+    """The schema from the registries themselves (imports every method's module: slow; builds none).
+    Per method: `params`, its default parameters as a run records them (`Method.default_params`:
+    Hydra's `method=<name>` node); `rules`, every parameter (the storage ones too) with its default
+    and rule (`centroidkv.params.field_rules`); `shorthand`, the parameter that `name:value` sets
+    (None: no such form)."""
+    from centroidkv.methods import method_class, method_names
+    from centroidkv.params import field_rules
+
+    methods = {}
+    for name in method_names():
+        cls = method_class(name)
+        methods[name] = {
+            "params": cls.default_params(),
+            "rules": field_rules(cls),
+            "shorthand": cls.shorthand,
+        }
+    return {"models": list(MODEL_NAMES), "methods": methods}
+
+
+def schema_path() -> Path:
+    return cache_dir() / "config_schema.json"
+
+
+def config_schema() -> dict[str, Any]:
+    """The schema, from its cache when the fingerprint matches, else built and cached again (a cache
+    that cannot be written is only slower). A process that has imported the method registry already
+    reads it directly and writes no cache: it may hold methods registered at run time (a test's, a
+    notebook's), which the next process would not have."""
+    if "centroidkv.methods" in sys.modules:
+        return build_schema()
+    key = fingerprint()
+    path = schema_path()
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("fingerprint") == key:
+            return cached["schema"]
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    schema = build_schema()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"fingerprint": key, "schema": schema}, default=str))
+        os.replace(temporary, path)
+    except OSError:
+        pass
+    return schema
+
+
+def unknown_method_error(name: Any, schema: dict[str, Any]) -> str:
+    """The line for a method name that is not registered, naming the closest registered one."""
+    names = list(schema["methods"])
+    return f"unknown method {name!r}; choose one of {', '.join(names)}{did_you_mean(name, names)}"
+
+
+def method_errors(name: str, params: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """One line per given parameter of the registered method `name` that it lacks (one line for all
+    of them: `centroidkv.params.param_errors`) or whose value breaks its rule. Cross-field checks
+    (r_min <= r_init, a head file) are left to the method's own `validate`."""
+    return param_errors(name, params, schema["methods"][name]["rules"])
+
+
+def method_spec_errors(spec: str, schema: dict[str, Any] | None = None) -> list[str]:
+    """What is wrong with a method's command-line form (`name`, `name:value`, `name(key=value, ...)`,
+    read as `centroidkv.methods.parse_method` reads it), without importing torch: one line per problem
+    (an unknown method or parameter with the closest known one, a value against its rule)."""
+    try:
+        name, short, params = parse_method_spec(spec)
+    except ValueError as error:
+        return [str(error)]
+    schema = config_schema() if schema is None else schema
+    if name not in schema["methods"]:
+        return [unknown_method_error(name, schema)]
+    if short is not None:
+        field_name = schema["methods"][name]["shorthand"]
+        if field_name is None:
+            return [shorthand_error(spec, name)]
+        params = {field_name: short, **params}
+    return method_errors(name, params, schema)
+
+
+def check_method_spec(spec: str, schema: dict[str, Any] | None = None) -> None:
+    """Raise one ValueError line (the first of `method_spec_errors`) unless `spec` names a registered
+    method with parameters it has and values its rules accept; fast: torch is not imported. Whatever
+    needs the method object (cross-field checks, a head file) is checked when `parse_method` builds it."""
+    errors = method_spec_errors(spec, schema)
+    if errors:
+        raise ValueError(errors[0])
