@@ -21,7 +21,9 @@ question, methods, budget)`.
 
 Every bad input (an unknown method or parameter, a missing file, a budget outside (0, 1], a prompt
 and --max-new-tokens beyond the model's positions) is one line on stderr and exit status 2, before
-the model loads (`--truncate` cuts the middle of a context that is too long instead, as LongBench
+the model loads, with the closest valid name where one is close; the method names, parameters and
+their values, the model name and the budget are checked before torch is imported (in well under a
+second) (`--truncate` cuts the middle of a context that is too long instead, as LongBench
 does). A model that cannot be loaded (the Hub unreachable, a gated model) is one line and status 1.
 """
 
@@ -33,25 +35,21 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import centroidkv.models as models  # used as models.<name>, so that tests can stand in for the loaders
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
-from centroidkv.decoding import chat_prompt_ids, eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.methods import Method, method_label, method_names, parse_method
-from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
 from centroidkv.parsing import split_top_level
-from centroidkv.plan import (
-    CONTEXT_ONLY,
-    FULL_PROMPT,
-    PROTOCOLS,
-    Outcome,
-    Prompt,
-    Run,
-    compresses_in_prefill,
-    run,
-    warm_up,
-)
+from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
+from centroidkv.schema import check_method_spec, config_schema
+
+# Torch and transformers (the model, the methods, the plan) are imported where they are needed, in
+# the functions below: the command line checks its input first, so a bad one is one line in well
+# under a second (`centroidkv.schema` knows the methods and their parameters' rules without torch).
+if TYPE_CHECKING:
+    from centroidkv.methods import Method
+    from centroidkv.plan import Outcome, Prompt
 
 
 @dataclass
@@ -83,6 +81,8 @@ class Answer:
 def prompt_length(tokenizer, context: str, question: str, protocol: str) -> int:
     """The prompt's tokens, the chat template included (what the model's positions must hold besides
     the new tokens), whichever way the protocol splits them."""
+    from centroidkv.decoding import chat_prompt_ids
+
     message = f"{context}\n\n{question}" if question else context
     head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
     return len(head) + len(tail)
@@ -152,6 +152,10 @@ def generate(
     positions (`max_position_embeddings`), or a head policy on a model not calibrated yet
     (`python -m eval.calibrate`); all before any prefill.
     """
+    from centroidkv.decoding import eos_token_ids
+    from centroidkv.methods import parse_method
+    from centroidkv.plan import Run, compresses_in_prefill, run, warm_up
+
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
     questions = [question] if isinstance(question, str) else list(question)
@@ -203,6 +207,8 @@ def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Pro
     """The call's prompt: the chat of the context and the first question, split as `protocol`
     prefills and feeds it, and the other questions' turns (`Prompt.follow_ups`), each following the
     same context."""
+    from centroidkv.decoding import chat_prompt_ids
+    from centroidkv.plan import Prompt
 
     def split(question: str, context_only: bool) -> tuple[list[int], list[int]]:
         message = f"{context}\n\n{question}" if question else context
@@ -220,6 +226,8 @@ def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Pro
 
 
 def _answer(asked: str, method: Method, protocol: str, **fields) -> Answer:
+    from centroidkv.methods import method_label
+
     label = method_label(method.name, method.params())  # with its precision (" @int8")
     return Answer(asked, label, protocol, method.compresses, **fields)
 
@@ -305,7 +313,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m centroidkv.generate",
         description="Put one prompt through several KV-cache compression methods from one prefill.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=f"methods: {', '.join(method_names())}",
+        epilog=f"methods: {', '.join(config_schema()['methods'])}",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--context", help="the context: a file, or - for stdin")
@@ -360,19 +368,17 @@ def fitted_context(args: argparse.Namespace, tokenizer, context: str, question: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:  # every input is checked before the model loads
-        if models.parse_model_name(args.model)[0] in models.RANDOM_MODELS:
+    try:  # every input is checked before the model loads; first what needs no torch (fast)
+        if parse_model_name(args.model)[0] in RANDOM_MODELS:
             raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
         methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
         if not methods:
             raise ValueError("--methods: give at least one method")
-        for method in methods:
-            parse_method(method)
+        for method in methods:  # names, parameters and their rules, from the cached schema
+            check_method_spec(method)
         budget = check_budget(args.budget)
-        positions = models.max_positions(args.model)  # None: a hub model not in the local cache
-        if args.max_new_tokens < 1 or (positions is not None and args.max_new_tokens >= positions):
-            most = f" and below {args.model}'s {positions} positions" if positions is not None else ""
-            raise ValueError(f"--max-new-tokens must be at least 1{most}, got {args.max_new_tokens}")
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         context = args.prompt if args.prompt is not None else read_text(args.context, "context")
         questions = [Path(q).read_text().strip() if q and Path(q).is_file() else q for q in args.question]
         questions = questions or [""]
@@ -380,6 +386,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("several --question need --context and the context_only protocol")
         if not context.strip():
             raise ValueError("the context is empty")
+        # then what needs the methods themselves (cross-field rules, head files, a press's name) and
+        # the model's positions
+        from centroidkv.methods import parse_method
+
+        for method in methods:
+            parse_method(method)
+        import centroidkv.models as models  # as models.<name>, so that tests can stand in for the loaders
+
+        positions = models.max_positions(args.model)  # None: a hub model not in the local cache
+        if positions is not None and args.max_new_tokens >= positions:
+            raise ValueError(
+                f"--max-new-tokens must be below {args.model}'s {positions} positions, got {args.max_new_tokens}"
+            )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -5,6 +5,9 @@ parameters in the method's name, and a method that cannot run answering one line
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +84,32 @@ def test_a_whole_prompt_runs_every_method_full_prompt_and_refuses_a_press_alone(
     assert "the full cache (no budget)" in full and "answer: " in full
     centroidkv = next(t for t in blocks if t.startswith("centroidkv(n_recent=8,heads=none)"))
     assert "answer: " in blocks[centroidkv] and "of the budget's full cache" in blocks[centroidkv]
+
+
+PROBE = """
+import sys
+from centroidkv.generate import main
+status = main(sys.argv[1:])
+print("exit", status, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_a_bad_method_or_value_is_one_line_with_a_hint_without_importing_torch():
+    root = Path(__file__).resolve().parent.parent
+
+    def probe(*argv: str) -> list[str]:
+        command = [sys.executable, "-c", PROBE, "--prompt", "hi", *argv]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+        return done.stderr.strip().splitlines()
+
+    probe("--methods", "nope")  # the first run may build the schema's cache (that one imports torch)
+    for argv, fragment in [
+        (["--methods", "centroidkvv"], "did you mean centroidkv?"),
+        (["--methods", "full,centroidkv(heads=wholee)"], "got 'wholee'; did you mean whole?"),
+        (["--methods", "snapkv(windw_size=8)"], "did you mean window_size?"),
+        (["--model", "tiny-lama"], "did you mean tiny-llama?"),
+        (["--budget", "2"], "budget must be a fraction in (0, 1]"),
+    ]:
+        error, status = probe(*argv)
+        assert error.startswith("error: ") and fragment in error, (argv, error)
+        assert status == "exit 2 False", argv  # exit status 2, and torch never imported
