@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         positions = models.max_positions(args.model)  # None: a hub model not in the local cache
         if positions is not None and args.max_new_tokens >= positions:
             raise ValueError(
-                f"--max-new-tokens must be below {args.model}'s {positions} positions, got {args.max_new_tokens}"
+                f"--max-new-tokens must be at least 1 and below {args.model}'s {positions} positions, "
+                f"got {args.max_new_tokens}"
             )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
