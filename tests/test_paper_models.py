@@ -86,11 +86,13 @@ def test_seeded_weights():
 PROMPT_LEN = 512  # long enough for a compression of the middle (16 sinks + 64 recent of 129 kept)
 
 
-def test_llama8b_two_layers_bf16_prefill_compress_decode():
-    """The paper's model, cut to 2 layers, in bf16: prefill 512 tokens, compress to 0.25, decode."""
-    model, _ = load_model("random-llama3.1-8b:2", dtype=torch.bfloat16, device="cpu")
-    assert model.model.embed_tokens.weight.shape == (128256, 4096) and len(model.model.layers) == 2
-    ids = torch.randint(0, 128256, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+def test_mistral7b_two_layers_bf16_prefill_compress_decode():
+    """A paper's model, cut to 2 layers, in bf16: prefill 512 tokens, compress to 0.25, decode.
+    Mistral-7B has Llama-3.1-8B's attention (32 query / 8 KV heads of 128) and a quarter of its
+    vocabulary, so its random weights fill in a third of the time."""
+    model, _ = load_model("random-mistral-7b:2", dtype=torch.bfloat16, device="cpu")
+    assert model.model.embed_tokens.weight.shape == (32768, 4096) and len(model.model.layers) == 2
+    ids = torch.randint(0, 32768, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     # no outlier heads: "auto" would calibrate this random model on first use (minutes on a CPU)
     cache = CompressedCache(
         get_method("centroidkv", heads="none"), budget=0.25, max_new_tokens=4, budget_unit="entries"
