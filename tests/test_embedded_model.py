@@ -19,7 +19,7 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
 
 
 def needle_prompt(tokenizer) -> torch.Tensor:
-    context = FILLER * 6 + "The special magic number for quiet-river is: 4827361. " + FILLER * 6
+    context = FILLER * 12 + "The special magic number for quiet-river is: 4827361. " + FILLER * 12
     return chat_ids(tokenizer, context + "\nWhat is the special magic number for quiet-river?")
 
 
