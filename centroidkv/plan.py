@@ -114,13 +114,14 @@ class Prompt:
     def n_questions(self) -> int:
         return 1 + len(self.follow_ups)
 
-    def fed_ids(self, question: int) -> list[int]:
-        """What a native run feeds after compressing, for question `question` (0: `fed`)."""
-        return self.fed if question == 0 else self.follow_ups[question - 1]
-
     def question_ids(self, question: int) -> list[int]:
         """What a prefill compressor feeds after the context, for question `question` (0: `question`)."""
         return self.question if question == 0 else self.follow_ups[question - 1]
+
+    def fed_ids(self, question: int) -> list[int]:
+        """What a native run feeds after compressing, for question `question`: `fed` for the first;
+        a follow-up (context-only, where `fed` is `question`) as `question_ids` gives it."""
+        return self.fed if question == 0 else self.question_ids(question)
 
 
 @dataclass(frozen=True)
