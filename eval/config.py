@@ -449,6 +449,12 @@ def _plain(cfg: DictConfig | dict) -> dict[str, Any]:
     return raw
 
 
+def _method_line(variant: str | None, name: str, line: str) -> str:
+    """A method's error line, naming it once (its own messages begin with its name) and its variant."""
+    label = name if variant in (None, name) else f"{variant} ({name})"
+    return f"method {label}: {line.removeprefix(f'{name}: ')}"
+
+
 def first_pass_errors(cfg: DictConfig | dict, schema: dict[str, Any] | None = None) -> list[str]:
     """One line per bad value that can be found without torch (the module's docstring); [] when the
     config may go on to the second pass. `schema`: `centroidkv.schema.config_schema()` by default."""
@@ -485,7 +491,7 @@ def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_Fi
         name, variant, params = parsed
         if raw.get("kv_precision") is not None:  # the run's storage precision, unless the entry sets one
             params.setdefault("kv_precision", raw["kv_precision"])
-        errors.extend(f"method {variant or name}: {line}" for line in method_errors(name, params, schema))
+        errors.extend(_method_line(variant, name, line) for line in method_errors(name, params, schema))
         entries.append((name, variant, params))
 
     # --- benchmark ---
@@ -547,7 +553,7 @@ def build_run_config(
             method = get_method(name, **params)
             method.check_model(str(model_name))
         except (ValueError, TypeError) as error:
-            errors.append(f"method {variant or name}: {first_line(error)}")
+            errors.append(_method_line(variant, name, first_line(error)))
             continue
         params = method.params()  # the full effective parameters, defaults included
         variant = variant or method_variant(name, params)  # e.g. kvpress-TOVA, centroidkv-int8

@@ -166,7 +166,7 @@ def test_method_variants_set_each_entry_s_parameters(tmp_path):
     "methods, fragment",
     [
         ("methods=[centroidkv,{name:centroidkv,params:{r_init:0.2}}]", "'centroidkv' appears twice"),
-        ("methods=[{name:centroidkv,variant:a,params:{r_init:7}}]", "method a: centroidkv: r_init"),
+        ("methods=[{name:centroidkv,variant:a,params:{r_init:7}}]", "method a (centroidkv): r_init"),
         ("methods=[{name:centroidkv,variant:a,param:{r_init:0.2}}]", "unknown key(s) param"),
         ("methods=[{name:nope,variant:a}]", "unknown method 'nope'"),
         ("methods=[{name:centroidkv,variant:'a b'}]", "variant must be a plain name"),
