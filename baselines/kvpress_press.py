@@ -438,6 +438,17 @@ class KVPress(Method):
         reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
     )
 
+    @classmethod
+    def rules(cls) -> dict[str, dict[str, Any]]:
+        """The fields' rules, and the press names kvpress exports as `press`'s choices (recorded in the
+        configuration's schema, so a mistyped press is one line before torch loads)."""
+        rules = super().rules()
+        try:
+            rules["press"] = {**rules["press"], "choices": press_names()}
+        except ValueError:  # kvpress is not installed: building the press says so (EXTRA)
+            pass
+        return rules
+
     def validate(self) -> None:
         super().validate()
         if not isinstance(self.press, str):  # its field's rule takes a path too (centroidkv.params)

@@ -82,20 +82,17 @@ class SnapKV(Method):
 
     n_sink: int = 0
     n_recent: int = 32
-    window_size: int = param(32, minimum=1)
+    window_size: int = param(
+        32,
+        minimum=1,
+        at_most="n_recent",
+        reason="the observation window is among the recent tokens, kept whole",
+    )
     kernel_size: int = param(5, minimum=1, parity="odd", reason="same-length pooling")
     pooling: str = param("avgpool", choices=POOLINGS)
 
     def needs(self) -> tuple[Need, ...]:
         return query_window(self.window_size)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.n_recent < self.window_size:
-            raise ValueError(
-                f"{self.name}: n_recent ({self.n_recent}) must be >= window_size ({self.window_size}): "
-                "the observation window is kept and must stay uncompressed"
-            )
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         scores = window_scores(stats, self.kernel_size, self.pooling)

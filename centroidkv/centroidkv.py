@@ -89,15 +89,10 @@ class CentroidKV(Method):
     schedule: str = param("adaptive", choices=SCHEDULES)
     r_init: float = param(0.5, minimum=0.0, maximum=1.0, low_open=True)
     delta_r: float = param(0.0, minimum=0.0, maximum=1.0)
-    r_min: float = param(0.1, minimum=0.0, maximum=1.0, low_open=True)
+    r_min: float = param(0.1, minimum=0.0, maximum=1.0, low_open=True, at_most="r_init")
     similarity: str = param("pre_rope", choices=SIMILARITIES)
     heads: str = "whole"
     heads_file: str = "clustering"
-
-    def validate(self) -> None:
-        super().validate()  # every field's rule; then what involves two of them
-        if self.r_min > self.r_init:
-            raise ValueError(f"centroidkv: r_min ({self.r_min}) must not exceed r_init ({self.r_init})")
 
     @property
     def rows_independent(self) -> bool:

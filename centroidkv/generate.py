@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("several --question need --context and the context_only protocol")
         if not context.strip():
             raise ValueError("the context is empty")
-        # then what needs the methods themselves (cross-field rules, head files, a press's name) and
+        # then what needs the methods themselves (head files, a press's own parameters) and
         # the model's positions
         from centroidkv.methods import parse_method
 

@@ -35,7 +35,7 @@ from centroidkv.calibrate import HEAD_SCORES
 from centroidkv.heads import HEAD_POLICIES, check_head_source
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
-from centroidkv.params import check_param, field_rules, param, unknown_params_error
+from centroidkv.params import check_param, field_rules, param, relation_errors, unknown_params_error
 from centroidkv.parsing import parse_method_spec, shorthand_error
 from centroidkv.quantization import (
     DEFAULT_GROUP,
@@ -94,7 +94,8 @@ class Method:
         without a precision keep their identity.
     Subclasses declare their own parameters as dataclass fields with their paper's defaults, each
     field's simple rule with `param` (`centroidkv.params`: checked by `validate` for every field, and
-    without torch by `centroidkv.schema`), and extend `validate` with their cross-field checks only.
+    without torch by `centroidkv.schema`; `at_most=` bounds it by another field), and extend
+    `validate` only with checks that read a file or build an object.
     A field redefined with a plain default keeps its base class's rule.
     """
 
@@ -221,11 +222,21 @@ class Method:
 
         return listed_heads_for(model, self.heads_file, self.heads_fraction, self.calibration_settings())
 
+    @classmethod
+    def rules(cls) -> dict[str, dict[str, Any]]:
+        """Every parameter's rule (`centroidkv.params.field_rules`), as `validate` and the torch-free
+        schema (`centroidkv.schema`) check it; a method whose allowed values are known only at run time
+        (kvpress's press names) adds them here."""
+        return field_rules(cls)
+
     def validate(self) -> None:
-        """Every field by its declared rule (`centroidkv.params`), then what involves several fields
-        or a file; a subclass extends this with its own cross-field checks."""
-        for field_name, rule in field_rules(type(self)).items():
+        """Every field by its rule (`rules`: bounds by other fields included), then what reads a file
+        or builds an object; a subclass extends this with checks of its own of that kind."""
+        rules = type(self).rules()
+        for field_name, rule in rules.items():
             check_param(self.name, field_name, getattr(self, field_name), rule)
+        for problem in relation_errors(self.name, {name: getattr(self, name) for name in rules}, rules):
+            raise ValueError(problem)
         check_head_source(self.heads, self.heads_file)
         check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)  # a power-of-two group
         if self.heads != "none" and not self.compresses:

@@ -4,13 +4,14 @@ A method (`centroidkv.methods.Method`) declares the simple rule of each paramete
 defined: `n_recent: int = param(64, minimum=0)`, `heads: str = param("none", choices=HEAD_POLICIES)`.
 `Method.validate` checks every field by its rule (`check_param`), and the configuration's schema
 (`centroidkv.schema`) records the rules, so a configuration or a command line is checked before the
-method modules (and torch) are imported. Cross-field checks (r_min <= r_init, a head file's content)
-stay in the methods' `validate`.
+method modules (and torch) are imported. A rule may also bound a number by another parameter of the
+same method (`r_min: float = param(0.1, at_most="r_init")`); checks that read a file or build an
+object (a head file, a kvpress press's parameters) stay in the methods' `validate`.
 
 A rule is a plain dict (JSON as it is): `type`, taken from the field's default (bool, int, float, str,
 dict; bool is not an int, an int is a float), and any of `minimum`, `maximum`, `low_open`,
-`high_open` (numbers), `parity` ("even" or "odd", integers), `choices` (a list of allowed values) and
-`reason` (why, shown in the message). A subclass that redefines a field with a plain default keeps the
+`high_open` (numbers), `parity` ("even" or "odd", integers), `choices` (a list of allowed values),
+`at_most` (the name of a parameter this one must not exceed) and `reason` (why, shown in the message). A subclass that redefines a field with a plain default keeps the
 rule of the field it redefines (`field_rule` looks along the class's bases).
 """
 
@@ -37,11 +38,13 @@ def param(
     high_open: bool = False,
     parity: str | None = None,
     choices: Iterable[Any] | None = None,
+    at_most: str | None = None,
     reason: str | None = None,
 ) -> Any:
     """A dataclass field with `default` and a rule (module docstring): an integer >= minimum, a number
     in [minimum, maximum] (either end open; without a maximum, a finite number), an even or odd
-    integer, or one of `choices`. `reason` says why, in the message."""
+    integer, or one of `choices`; and at most the value of the parameter named `at_most`. `reason`
+    says why, in the message."""
     if parity not in (None, "even", "odd"):
         raise ValueError(f"parity must be even or odd, got {parity!r}")
     rule: dict[str, Any] = {
@@ -52,6 +55,7 @@ def param(
             low_open=low_open,
             high_open=high_open,
             parity=parity,
+            at_most=at_most,
             reason=reason,
         ).items()
         if value is not None and value is not False  # 0 is a bound (0 == False)
@@ -181,6 +185,24 @@ def rule_error(rule: dict[str, Any], value: Any) -> str | None:
     return f"must be {requirement(rule)}{reason}, got {value!r}"
 
 
+def relation_errors(method_name: str, values: dict[str, Any], rules: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per `at_most` bound that `values` (every parameter's value) break; a value that is not
+    a number is left to its own rule."""
+    errors = []
+    for key, rule in rules.items():
+        other = rule.get("at_most")
+        value, bound = values.get(key), values.get(other)
+        if other is None or not all(_is_number(v) for v in (value, bound)) or value <= bound:
+            continue
+        reason = f" ({rule['reason']})" if rule.get("reason") else ""
+        errors.append(f"{method_name}: {key} ({value}) must not exceed {other} ({bound}){reason}")
+    return errors
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
 def check_param(method_name: str, field_name: str, value: Any, rule: dict[str, Any]) -> None:
     """Raise one ValueError line (`<method>: <field> must be ..., got ...`, with `did you mean X?` for
     a near-miss of a choice) unless `value` passes `rule`."""
@@ -199,7 +221,8 @@ def unknown_params_error(method_name: str, unknown: Iterable[str], known: Iterab
 
 def param_errors(method_name: str, params: dict[str, Any], rules: dict[str, dict[str, Any]]) -> list[str]:
     """One line per given parameter that the method lacks (one line for all of them) or whose value
-    breaks its rule; `rules` maps every parameter of the method to its rule (`field_rules`)."""
+    breaks its rule, then per bound by another parameter that the given values (the others at their
+    defaults) break; `rules` maps every parameter of the method to its rule (`field_rules`)."""
     unknown = [key for key in params if key not in rules]
     errors = [unknown_params_error(method_name, unknown, rules)] if unknown else []
     for key, value in params.items():
@@ -207,4 +230,7 @@ def param_errors(method_name: str, params: dict[str, Any], rules: dict[str, dict
             problem = rule_error(rules[key], value)
             if problem is not None:
                 errors.append(f"{method_name}: {key} {problem}")
+    if not errors:
+        values = {key: rule["default"] for key, rule in rules.items()} | params
+        errors += relation_errors(method_name, values, rules)
     return errors

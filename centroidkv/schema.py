@@ -6,7 +6,8 @@ The method registry imports every method's module, which imports torch and trans
 so the schema is kept in `<cache dir>/config_schema.json` (`$CENTROIDKV_CACHE`, else
 ~/.cache/centroidkv) under a fingerprint of what defines it: the path, size and modification time of
 every Python file of the library and of each package declared under the methods' entry-point group
-(`centroidkv.registry.METHOD_ENTRY_POINTS`), and those distributions' versions. Any change there
+(`centroidkv.registry.METHOD_ENTRY_POINTS`), those distributions' versions, and the installed
+distributions (a rule may list a library's names: kvpress's presses). Any change there
 rebuilds it (one slow start); otherwise a bad method or value is one line in well under a second.
 The harness's configuration (`eval.schema`) reads the same schema.
 """
@@ -43,6 +44,17 @@ def _package_files(package: str) -> list[Path]:
     return files
 
 
+def _installed_distributions() -> list[str]:
+    """The names of the installed distributions' metadata folders (`kvpress-0.5.5.dist-info`): they
+    change when a package is installed, removed or upgraded (a method's rules may read a library:
+    kvpress's press names)."""
+    names = []
+    for entry in map(Path, sys.path):
+        if entry.is_dir():
+            names += [p.name for p in entry.iterdir() if p.suffix in (".dist-info", ".egg-info")]
+    return sorted(names)
+
+
 def fingerprint() -> str:
     """A hash of everything the schema is derived from (see the module's docstring)."""
     packages = set(SOURCE_PACKAGES)
@@ -51,7 +63,7 @@ def fingerprint() -> str:
         packages.add(entry_point.value.split(":")[0].split(".")[0])
         distribution = getattr(entry_point, "dist", None)
         plugins.append(f"{entry_point.value}@{distribution.version if distribution else ''}")
-    digest = hashlib.sha256(f"{SCHEMA_VERSION}|{sorted(plugins)}".encode())
+    digest = hashlib.sha256(f"{SCHEMA_VERSION}|{sorted(plugins)}|{_installed_distributions()}".encode())
     for package in sorted(packages):
         for path in _package_files(package):
             stat = path.stat()
@@ -63,17 +75,16 @@ def build_schema() -> dict[str, Any]:
     """The schema from the registries themselves (imports every method's module: slow; builds none).
     Per method: `params`, its default parameters as a run records them (`Method.default_params`:
     Hydra's `method=<name>` node); `rules`, every parameter (the storage ones too) with its default
-    and rule (`centroidkv.params.field_rules`); `shorthand`, the parameter that `name:value` sets
+    and rule (`Method.rules`); `shorthand`, the parameter that `name:value` sets
     (None: no such form)."""
     from centroidkv.methods import method_class, method_names
-    from centroidkv.params import field_rules
 
     methods = {}
     for name in method_names():
         cls = method_class(name)
         methods[name] = {
             "params": cls.default_params(),
-            "rules": field_rules(cls),
+            "rules": cls.rules(),
             "shorthand": cls.shorthand,
         }
     return {"models": list(MODEL_NAMES), "methods": methods}
@@ -117,8 +128,9 @@ def unknown_method_error(name: Any, schema: dict[str, Any]) -> str:
 
 def method_errors(name: str, params: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     """One line per given parameter of the registered method `name` that it lacks (one line for all
-    of them: `centroidkv.params.param_errors`) or whose value breaks its rule. Cross-field checks
-    (r_min <= r_init, a head file) are left to the method's own `validate`."""
+    of them: `centroidkv.params.param_errors`) or whose value breaks its rule (a bound by another
+    parameter included: r_min <= r_init). What reads a file or builds an object (a head file, a
+    press's own parameters) is left to the method's own `validate`."""
     return param_errors(name, params, schema["methods"][name]["rules"])
 
 
@@ -144,7 +156,8 @@ def method_spec_errors(spec: str, schema: dict[str, Any] | None = None) -> list[
 def check_method_spec(spec: str, schema: dict[str, Any] | None = None) -> None:
     """Raise one ValueError line (the first of `method_spec_errors`) unless `spec` names a registered
     method with parameters it has and values its rules accept; fast: torch is not imported. Whatever
-    needs the method object (cross-field checks, a head file) is checked when `parse_method` builds it."""
+    needs the method object (a head file, a press's own parameters) is checked when `parse_method`
+    builds it."""
     errors = method_spec_errors(spec, schema)
     if errors:
         raise ValueError(errors[0])

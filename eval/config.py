@@ -7,7 +7,8 @@ method names and each given parameter's name and value against the rules the met
 from the cached schema, `centroidkv.schema`), benchmark, logger, experiment name, flags, decode batch
 and budget unit, each with the closest valid key or value where one exists; when it finds anything,
 its lines are raised at once (in well under 3 seconds). Only then does the second build the methods
-(imports torch) for what needs them: cross-field checks, head files, CUDA, budgets that keep nothing.
+(imports torch) for what needs them: head files, a press's own parameters, CUDA, budgets that keep
+nothing.
 """
 
 from __future__ import annotations

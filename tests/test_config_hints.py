@@ -71,6 +71,8 @@ def test_a_bad_key_or_value_is_one_line_without_importing_torch():
             "heads must be one of none, whole, budget, got 'wholee'; did you mean whole?",
         ),
         (["methods=[centroidkvv]"], "unknown method 'centroidkvv'"),
+        (["method=centroidkv", "method.params.r_min=0.9"], "r_min (0.9) must not exceed r_init (0.5)"),
+        (["method=kvpress", "method.params.press=TOVAPres"], "did you mean TOVAPress?"),
     ]:
         error, status = probe(*argv)
         assert error.startswith("config error: ") and fragment in error, (argv, error)
@@ -118,6 +120,13 @@ def test_every_method_s_defaults_pass_its_rules():
         ("kvpress", {"press_params": 3}, "kvpress: press_params must be a mapping, got 3"),
         ("kvpress", {"heads": "whole"}, "kvpress: heads must be none (presses compress inside kvpress's"),
         ("centroidkv", {"n_recnt": 3}, "centroidkv: unknown parameter(s) n_recnt; known: "),
+        # bounds by another parameter: given, or at its default; a subclass inherits them
+        ("centroidkv", {"r_min": 0.9, "r_init": 0.1}, "centroidkv: r_min (0.9) must not exceed r_init (0.1)"),
+        ("centroidkv", {"r_min": 0.7}, "centroidkv: r_min (0.7) must not exceed r_init (0.5)"),
+        ("snapkv", {"window_size": 64}, "snapkv: window_size (64) must not exceed n_recent (32) (the"),
+        ("pyramidkv", {"n_recent": 16}, "pyramidkv: window_size (32) must not exceed n_recent (16)"),
+        # kvpress's press names, read from kvpress when the schema is built
+        ("kvpress", {"press": "SnapKVPres"}, "got 'SnapKVPres'; did you mean SnapKVPress?"),
     ],
 )
 def test_a_declared_rule_rejects_what_the_method_rejects(name, params, message):

@@ -19,7 +19,10 @@ from centroidkv.generate import main
     "argv, message",
     [
         (["--prompt", "hi", "--methods", "nope"], "unknown method 'nope'"),
-        (["--prompt", "hi", "--methods", "kvpress:NoSuchPress"], "unknown press 'NoSuchPress'"),
+        (
+            ["--prompt", "hi", "--methods", "kvpress:SnapKVPres"],
+            "got 'SnapKVPres'; did you mean SnapKVPress?",
+        ),
         (["--context", "/no/such/file", "--question", "q"], "--context: no such file"),
         (["--prompt", "hi", "--budget", "1.5"], "budget must be a fraction in (0, 1]"),
         (["--prompt", "hi", "--budget", "0"], "budget must be a fraction in (0, 1]"),
