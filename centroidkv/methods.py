@@ -35,7 +35,7 @@ from centroidkv.calibrate import HEAD_SCORES
 from centroidkv.heads import HEAD_POLICIES, check_head_source
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
-from centroidkv.params import check_param, field_rules, param, relation_errors, unknown_params_error
+from centroidkv.params import check_param, field_rules, param, param_errors, unknown_params_error
 from centroidkv.parsing import parse_method_spec, shorthand_error
 from centroidkv.quantization import (
     DEFAULT_GROUP,
@@ -233,10 +233,10 @@ class Method:
         """Every field by its rule (`rules`: bounds by other fields included), then what reads a file
         or builds an object; a subclass extends this with checks of its own of that kind."""
         rules = type(self).rules()
-        for field_name, rule in rules.items():
-            check_param(self.name, field_name, getattr(self, field_name), rule)
-        for problem in relation_errors(self.name, {name: getattr(self, name) for name in rules}, rules):
-            raise ValueError(problem)
+        # the same lines as the torch-free schema's check (`centroidkv.schema.method_errors`)
+        problems = param_errors(self.name, {name: getattr(self, name) for name in rules}, rules)
+        if problems:
+            raise ValueError(problems[0])
         check_head_source(self.heads, self.heads_file)
         check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)  # a power-of-two group
         if self.heads != "none" and not self.compresses:

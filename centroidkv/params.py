@@ -2,7 +2,7 @@
 
 A method (`centroidkv.methods.Method`) declares the simple rule of each parameter where the field is
 defined: `n_recent: int = param(64, minimum=0)`, `heads: str = param("none", choices=HEAD_POLICIES)`.
-`Method.validate` checks every field by its rule (`check_param`), and the configuration's schema
+`Method.validate` checks every field by its rule (`param_errors`), and the configuration's schema
 (`centroidkv.schema`) records the rules, so a configuration or a command line is checked before the
 method modules (and torch) are imported. A rule may also bound a number by another parameter of the
 same method (`r_min: float = param(0.1, at_most="r_init")`); checks that read a file or build an
@@ -11,8 +11,9 @@ object (a head file, a kvpress press's parameters) stay in the methods' `validat
 A rule is a plain dict (JSON as it is): `type`, taken from the field's default (bool, int, float, str,
 dict; bool is not an int, an int is a float), and any of `minimum`, `maximum`, `low_open`,
 `high_open` (numbers), `parity` ("even" or "odd", integers), `choices` (a list of allowed values),
-`at_most` (the name of a parameter this one must not exceed) and `reason` (why, shown in the message). A subclass that redefines a field with a plain default keeps the
-rule of the field it redefines (`field_rule` looks along the class's bases).
+`at_most` (the name of a parameter this one must not exceed) and `reason` (why, shown in the
+message). A subclass that redefines a field with a plain default keeps the rule of the field it
+redefines (`field_rule` looks along the class's bases).
 """
 
 from __future__ import annotations
