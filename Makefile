@@ -50,7 +50,7 @@ RULER_EXPERIMENT = $(if $(filter smollm2-135m,$(MODEL)),reproduce_ruler_cpu,repr
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads precision
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads precision long
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) $(ARGS)
@@ -101,6 +101,15 @@ heads: $(STAMP)
 	$(PYTHON) scripts/head_attribution.py results/heads $(if $(wildcard results/ablate_heads),--choose-on results/ablate_heads)
 	$(PYTHON) scripts/head_attribution.py results/heads_low  # dev has no 0.0625: chosen on these records
 	$(PYTHON) scripts/figures.py results/heads --out paper_figures
+
+# Long context on the second model family (configs/experiment/long.yaml): qwen2.5-0.5b at 16k, every
+# method with heads none and whole at 1/8 and 1/4 of the bytes, on test samples (MODEL=... another model).
+LONG_MODEL ?= qwen2.5-0.5b
+long: $(STAMP)
+	$(PYTHON) scripts/run.py experiment=long model=$(if $(filter smollm2-135m,$(MODEL)),$(LONG_MODEL),$(MODEL)) $(ARGS)
+	$(PYTHON) scripts/tables.py results/long
+	$(PYTHON) scripts/head_attribution.py results/long
+	$(PYTHON) scripts/figures.py results/long --out paper_figures
 
 # CentroidKV's own ablation (similarity x outlier heads x schedule x chunk size, a half fraction) on dev.
 ablate-centroidkv: $(STAMP)

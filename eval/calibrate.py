@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=EMBEDDED_MODEL, help="model name (centroidkv.models)")
+    parser.add_argument(
+        "--model",
+        default=EMBEDDED_MODEL,
+        help="a registered name, a local folder saved with save_pretrained, a .gguf file or a Hugging Face id",
+    )
     parser.add_argument("--budget", type=float, default=0.25, help="cache ratio R the heads are clustered to")
     parser.add_argument(
         "--fraction", type=float, default=0.04, help="worst fraction of (layer, KV head) pairs kept whole"
@@ -221,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     from centroidkv.budget import check_budget
-    from centroidkv.models import TINY_MODELS, canonical_model_name, check_model_name, load_model
+    from centroidkv.model_names import TINY_MODELS, model_kind
+    from centroidkv.model_specs import canonical_model_name
 
     try:  # every bad value is one line and exit code 2, before the model loads
-        check_model_name(args.model)
-        name = canonical_model_name(args.model)
+        kind = model_kind(args.model)
+        name = canonical_model_name(args.model) if kind == "registered" else args.model
         if name in TINY_MODELS:
             raise ValueError("tiny models have no tokenizer to calibrate on")
         check_budget(args.budget)
@@ -239,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 2
+    from centroidkv.models import load_model
+
     try:  # a hub model offline, gated or missing: one line
         model, tokenizer = load_model(name)
+        name = model.centroidkv_name  # a folder's or file's absolute path: the identity its file is keyed by
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer to calibrate on (save one beside the model)")
     except (OSError, RuntimeError, ValueError, ImportError) as error:
         print(f"calibrate: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
         return 2

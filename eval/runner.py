@@ -111,10 +111,10 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         return None
     store.check_own_records(job_owner(cfg))
     from centroidkv import get_method, load_model, load_tokenizer
-    from centroidkv.models import EMBEDDED_MODEL, HUB_MODELS
+    from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, model_kind
     from eval.calibrate import calibrate_missing
 
-    if cfg.model.name in HUB_MODELS or cfg.benchmark.needs_hub:
+    if cfg.model.name in HUB_MODELS or model_kind(cfg.model.name) == "hub" or cfg.benchmark.needs_hub:
         offline_unless_reachable()
     device, dtype = cfg.model.resolved()
     try:

@@ -57,8 +57,20 @@ def main(cfg: DictConfig) -> None:
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
-    """The command line as Hydra reads it: `--force` is the override `overwrite=true`."""
-    return ["overwrite=true" if arg == "--force" else arg for arg in argv]
+    """The command line as Hydra reads it: `--force` is the override `overwrite=true`, and
+    `model=<anything but a registered name>` (a folder, a .gguf file, a Hub id, random-*:N) is
+    `model.name=<it>`: Hydra's model options are the registered names."""
+    from centroidkv.model_names import MODEL_NAMES
+
+    def read(arg: str) -> str:
+        if arg == "--force":
+            return "overwrite=true"
+        key, equals, value = arg.partition("=")
+        if key in ("model", "+model", "++model") and equals and value not in MODEL_NAMES and "," not in value:
+            return f"model.name={value}"
+        return arg
+
+    return [read(arg) for arg in argv]
 
 
 def cli(argv: list[str]) -> None:

@@ -164,7 +164,7 @@ def test_pre_rope_similarity_of_a_repeated_token_is_one_in_the_first_layer(embed
     layer = cache.layers[0]
     keys = layer.keys[:, :, [first, second]]
     post = F.cosine_similarity(keys[:, :, 0], keys[:, :, 1], dim=-1)
-    pre_keys = undo_rope(keys, layer.extras["position"][:, :, [first, second]], cache.rotary)
+    pre_keys = undo_rope(keys, layer.extras["position"][:, :, [first, second]], cache.rotary[0])
     pre = F.cosine_similarity(pre_keys[:, :, 0], pre_keys[:, :, 1], dim=-1)
     torch.testing.assert_close(pre, torch.ones_like(pre), atol=1e-5, rtol=0)
     assert float(post.max()) < 0.99

@@ -1,0 +1,110 @@
+"""Sliding-window layers of hybrid models (Gemma 3, Qwen2 with `use_sliding_window`, ...).
+
+A hybrid model attends over its whole context in some layers and over the last W tokens in the others
+(`config.layer_types`, `config.sliding_window`). A window layer already holds a small, fixed cache, so
+a compressed cache leaves it as transformers' own cache does: it keeps the last W - 1 entries between
+forward passes (the W-th is the next token), never merges or evicts by a method, stores them in the
+model's dtype, and its bytes count in the budget (`CompressedCache` solves B over the layers it
+compresses, the window layers' bytes fixed).
+
+Its attention is `window_attention`: each query sees the keys of the last W positions up to its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from centroidkv.cache import CompressedCache, CompressedLayer
+
+SLIDING = "sliding_attention"  # transformers' name of a window layer in `config.layer_types`
+
+
+def sliding_windows(config) -> dict[int, int]:
+    """{layer index: W} for the window layers of a model configuration (empty for a model without)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if not window:
+        return {}
+    return {index: int(window) for index, kind in enumerate(layer_types) if kind == SLIDING}
+
+
+class WindowLayer(CompressedLayer):
+    """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring)."""
+
+    compresses = False
+
+    def __init__(self, owner: CompressedCache, layer_idx: int, window: int):
+        super().__init__(owner, layer_idx)
+        self.window = window
+
+    def add(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Append the new tokens' keys and values (no records: nothing here is ever compressed)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.length == 0:
+            self.keys, self.values = key_states, value_states
+        else:
+            self._append("keys", key_states)
+            self._append("values", value_states)
+        self.n_seen += key_states.shape[2]
+        if self.prompt_len is None:
+            self.prompt_len = key_states.shape[2]
+
+    def settle(self) -> None:
+        """Window layers stay in the model's dtype whatever the storage precision."""
+
+    @property
+    def tracks_attention(self) -> bool:
+        return False
+
+    @property
+    def budget_len(self) -> int | None:
+        return None if self.prompt_len is None else self.window - 1
+
+    def _capacity(self, slot: str, needed: int, first: bool) -> int:
+        return max(needed, self.window)  # the kept entries and the next token
+
+    def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
+        """Drop what the next token will not see: keep the last `window - 1` entries, in a buffer of
+        their own (a slice would keep the whole prompt's tensors alive)."""
+        self.scaling = scaling
+        self.query_group = query.shape[1] // max(1, self.keys.shape[1])
+        keep = self.window - 1
+        if self.length <= keep:
+            return
+        for slot in ("keys", "values"):
+            live = self._get(slot)
+            buffer = live.new_empty(*live.shape[:2], self.window, *live.shape[3:])
+            buffer[:, :, :keep] = live[:, :, live.shape[2] - keep :]
+            self._store(slot, buffer, keep)
+
+    def needs_compression(self) -> bool:
+        return False
+
+    def fork(self, owner: CompressedCache) -> WindowLayer:
+        """A layer for another cache sharing this one's tensors (never modified in place)."""
+        twin = WindowLayer(owner, self.layer_idx, self.window)
+        for attr in ("keys", "values", "scaling", "query_group", "n_seen", "prompt_len"):
+            setattr(twin, attr, getattr(self, attr))
+        twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
+        return twin
+
+
+def window_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float | None) -> Tensor:
+    """Causal attention over the last `window` positions: query [B, Hq, q, D] (the last q of the kv_len
+    entries, which are consecutive tokens), key/value [B, Hkv, kv_len, D] -> output [B, q, Hq, D].
+    Query i sees key j when j <= i's position and i's position - j < window (transformers' mask)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    group = query.shape[1] // key.shape[1]
+    if q_len == 1 and kv_len <= window:  # a decode step that sees every kept entry
+        output = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=group > 1)
+        return output.transpose(1, 2).contiguous()
+    query_pos = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
+    key_pos = torch.arange(kv_len, device=query.device).unsqueeze(0)
+    allowed = (key_pos <= query_pos) & (query_pos - key_pos < window)
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scaling, enable_gqa=group > 1
+    )
+    return output.transpose(1, 2).contiguous()
