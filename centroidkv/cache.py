@@ -155,8 +155,9 @@ class CompressedLayer(DynamicLayer):
         """Store the new tokens' keys and values [B, H, q, D] (and their records)."""
         if self.owner.n_layers is None:
             raise RuntimeError(
-                "CompressedCache needs a model prepared by centroidkv (load_model or prepare_model): "
-                "its attention adds log-degrees and triggers compression"
+                "CompressedCache needs a model prepared by centroidkv: load it with centroidkv.load_model, "
+                "or call centroidkv.prepare_model(model) once after loading it yourself (its attention adds "
+                "log-degrees and triggers compression)"
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -101,6 +101,9 @@ def model_kind(name: str) -> str:
         return "gguf"
     if HUB_ID.fullmatch(name) and not name.startswith((".", "~")):
         return "hub"
+    if name.startswith(("/", ".", "~")) or os.sep in name.rstrip(os.sep).partition(os.sep)[2]:
+        shown = name if len(name) <= 80 else f"{name[:77]}..."
+        raise ValueError(f"model {shown!r}: no such folder or .gguf file")
     shown = name if len(name) <= 80 else f"{name[:77]}..."
     raise ValueError(
         f"unknown model {shown!r}; a registered name ({', '.join(MODEL_NAMES)}; random-*:N keeps the "

@@ -375,9 +375,9 @@ def _from_hub(loader, repo_id: str, **kwargs):
     except OSError as error:  # covers connection errors, gated repos, missing files
         if Path(repo_id).is_dir():
             raise RuntimeError(f"cannot load the model in {repo_id}: {first_line(error)}") from None
-        offline = "HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE") else "set HF_HUB_OFFLINE=1"
+        offline = "offline (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else "unreachable"
         raise RuntimeError(
-            f"cannot load {repo_id!r} from the Hugging Face Hub (unreachable, gated or not logged in; "
-            f"{offline} to use only the local Hugging Face cache, or give a local folder saved with "
-            f"save_pretrained): {first_line(error)}"
+            f"cannot load {repo_id!r}: the Hugging Face Hub is {offline}, gated or not logged in, and the "
+            f"local Hugging Face cache lacks it; give a local folder saved with save_pretrained, or set "
+            f"HF_HUB_OFFLINE=1 to fail at once ({first_line(error)})"
         ) from None

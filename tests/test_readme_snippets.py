@@ -27,7 +27,7 @@ def python_blocks(section: str = SECTION) -> list[str]:
 
 def test_readme_python_snippets_run(capsys):
     pytest.importorskip("kvpress")
-    first, second, third = python_blocks()
+    first, second, _own_model, third = python_blocks()
     namespace: dict = {}
     exec(compile(first, "README snippet 1", "exec"), namespace)
     out = capsys.readouterr().out.splitlines()
@@ -45,6 +45,34 @@ def test_readme_python_snippets_run(capsys):
     exec(compile(third, "README snippet 3", "exec"), namespace)
     out = capsys.readouterr().out.strip()
     assert out, "the kvpress pipeline with CentroidKVPress answers"
+
+
+def test_readme_own_model_snippet_runs_on_a_folder_saved_with_save_pretrained(tmp_path, monkeypatch, capsys):
+    """The "your own model" block, verbatim, on a small random Llama saved with the embedded tokenizer
+    into ./my-model: plain `from_pretrained`, `prepare_model`, a CompressedCache in `generate`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from centroidkv.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "my-model")
+    tokenizer.save_pretrained(tmp_path / "my-model")
+    monkeypatch.chdir(tmp_path)
+    own_model = python_blocks()[2]
+    assert 'folder = "my-model"' in own_model
+    exec(compile(own_model, "README snippet: your own model", "exec"), {})
+    answer_and_ratio = capsys.readouterr().out.strip()
+    assert float(answer_and_ratio.split()[-1]) == pytest.approx(0.25, abs=0.01), answer_and_ratio
 
 
 def test_fork_without_needs_names_the_fix(tiny_model):
