@@ -161,3 +161,20 @@ def model_identity(name: str, hub_config: dict | None = None) -> str:
     where = hashlib.sha256(f"{path}|{content}".encode()).hexdigest()[:10]
     stem = re.sub(r"[^\w.+-]", "_", path.stem if kind == "gguf" else path.name)[:60] or "model"
     return f"{stem}-{where}"
+
+
+def declared_positions(name: str) -> int | None:
+    """The positions (`max_position_embeddings`) of a wheel model or a folder model, read without
+    torch (the configuration's first check); None for other kinds (`model_specs.max_positions`
+    knows more, at the price of importing transformers)."""
+    from centroidkv.wheel_models import WHEEL_MODELS
+
+    try:
+        kind = model_kind(name)
+    except ValueError:
+        return None
+    if kind == "registered":
+        wheel = WHEEL_MODELS.get(name.partition(":")[0])
+        return wheel.positions if wheel else None
+    value = (local_config(name) or {}).get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

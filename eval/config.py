@@ -31,7 +31,7 @@ from centroidkv.budget import (
 )
 from centroidkv.errors import first_line
 from centroidkv.heads import compressed_fraction
-from centroidkv.model_names import check_model_name
+from centroidkv.model_names import check_model_name, declared_positions
 from centroidkv.params import did_you_mean
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
@@ -498,6 +498,8 @@ def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_Fi
     # --- benchmark ---
     benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
     errors.extend(benchmark_errors)
+    if not model_errors and not benchmark_errors:
+        errors.extend(_positions_errors(model.name, benchmark))
 
     logger, logger_errors = LoggerConfig.parse(raw.get("logger") or {"name": "none"})
     errors.extend(logger_errors)
@@ -589,6 +591,20 @@ def build_run_config(
         share_prefill=bool(raw.get("share_prefill", True)),
         decode_batch=read.decode_batch,
     )
+
+
+def _positions_errors(model_name: str, benchmark: Benchmark) -> list[str]:
+    """A line when a length (prompt and new tokens, RULER and NIAH) exceeds the model's positions,
+    where they are known without torch (`centroidkv.model_names.declared_positions`)."""
+    positions = declared_positions(model_name)
+    if positions is None or not benchmark.length_is_tokens:
+        return []
+    over = [length for length in benchmark.lengths if isinstance(length, int) and length > positions]
+    return [
+        f"benchmark.lengths: {length} tokens (prompt and new tokens) exceed {model_name}'s {positions} "
+        "positions"
+        for length in over
+    ]
 
 
 def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[str]:

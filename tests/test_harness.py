@@ -60,6 +60,12 @@ def test_each_bad_value_gives_one_line(tmp_path, override, fragment):
     assert fragment in config_error_line(tmp_path, [override])
 
 
+def test_a_length_over_the_models_positions_is_one_line(tmp_path):
+    overrides = ["model=qwen2.5-0.5b", "benchmark=ruler", "benchmark.lengths=[16384,40000]"]
+    line = config_error_line(tmp_path, overrides)
+    assert "40000 tokens" in line and "32768 positions" in line
+
+
 def test_ruler_task_names_are_checked(tmp_path):
     with pytest.raises(ConfigError) as error:
         build_run_config(
