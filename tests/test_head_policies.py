@@ -161,3 +161,37 @@ def test_the_streaming_score_keeps_the_sinks_and_the_newest_entries():
     kept, _ = streaming_window(keys, keys, 0.2)
     expected = [*range(STREAMING_SINKS), *range(100 - (20 - STREAMING_SINKS), 100)]
     assert kept[0, 0, :, 0].tolist() == expected and kept[0, 1, :, 0].tolist() == expected
+
+
+@pytest.mark.parametrize("policy", ["whole", "budget"])
+@pytest.mark.parametrize("name", ["h2o", "centroidkv", "snapkv"])
+def test_a_layer_whose_every_head_is_listed_still_decodes(tiny_model, tmp_path, name, policy):
+    """Before: when a policy listed every KV head of a layer (Qwen2.5-0.5B's calibration lists both
+    heads of its layer 16), the layer's compressed group was empty and H2O's attention record failed
+    every record ("the attention function must pass `received`")."""
+    config = tiny_model.config
+    errors = [[0.0] * config.num_key_value_heads for _ in range(config.num_hidden_layers)]
+    errors[0] = [1.0] * config.num_key_value_heads  # every head of layer 0
+    path = tmp_path / "all_heads.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model": tiny_model.centroidkv_name,
+                "budget": 0.25,
+                "fraction": 0.5,
+                "n_layers": config.num_hidden_layers,
+                "n_kv_heads": config.num_key_value_heads,
+                "errors": errors,
+                "outliers": [[0, head] for head in range(config.num_key_value_heads)],
+            }
+        )
+    )
+    method = build(name, policy, str(path))
+    method = method.__class__(**{**method.params(), "heads_fraction": 0.5})
+    with torch.inference_mode():
+        prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=needs_of([method]))
+        fork = start_fork(tiny_model, prefilled, method, 0.75, NEW_TOKENS)  # half the heads whole
+        decode_forks(tiny_model, [fork], NEW_TOKENS, eos_token_ids=set())
+    layer = fork.cache.layers[0]
+    assert layer.keys.shape[1] == 0 and layer.n_seen == PROMPT_LEN + NEW_TOKENS - 1
+    assert fork.cache.layers[1].n_compressions >= 1
