@@ -44,6 +44,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from centroidkv.files import write_atomic
+
 RECORDS = "records.jsonl"
 DONE = "done.json"
 CONFIG = "config.yaml"
@@ -138,24 +140,13 @@ def record_key(record: dict[str, Any]) -> str:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old file or the whole new one."""
+    """Write `text` to `path` so that readers see either the old file or the whole new one
+    (`centroidkv.files.write_atomic`); every OSError is one ResultsWriteError line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        write_atomic(path, text)
     except OSError as error:
         raise ResultsWriteError(f"cannot write {path}: {_reason(error)}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise ResultsWriteError(f"cannot write {path}: {_reason(error)}") from None
-        raise
 
 
 def _reason(error: OSError) -> str:
