@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_hardening_round2 import toy_records, write_job
 from test_harness import config_error_line
 
 import centroidkv.models
@@ -21,6 +22,8 @@ from centroidkv.calibrate import read_head_file
 from centroidkv.files import is_file, replaced_atomically, write_atomic
 from centroidkv.generate import main as generate_main
 from eval import calibrate as eval_calibrate
+from scripts import tables
+from scripts.latex import LATEX_SPECIALS, latex_escape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,3 +220,27 @@ def test_a_binary_context_file_is_named(tmp_path, no_model_loading, capsys):
 def test_is_file_accepts_paths(tmp_path):
     (tmp_path / "f").write_text("")
     assert is_file(tmp_path / "f") and not is_file(Path(tmp_path))
+
+
+# ------------------------------------------------------------------ S1. LaTeX from records
+INJECTION = r"\input{/etc/passwd}"
+
+
+def test_every_latex_special_character_is_escaped():
+    escaped = latex_escape("".join(LATEX_SPECIALS) + "\nnext")
+    assert escaped == "".join(LATEX_SPECIALS.values()) + " next"
+    for char in "{}$#^~%&_<>|":  # none left bare: each one only as part of its escape
+        assert escaped.count(char) == "".join(LATEX_SPECIALS.values()).count(char)
+
+
+def test_a_variant_naming_a_latex_command_is_printed_not_run(tmp_path):
+    """Before: a record whose variant was `\\input{/etc/passwd}` reached tables/*.tex verbatim."""
+    records = toy_records("exp")
+    for record in records:
+        record["variant"] = INJECTION if record["method"] == "snapkv" else record["variant"]
+        record["task"] = "a$b#c^d~e"
+    folder = write_job(tmp_path / "results" / "exp" / "job", records)
+    assert tables.main([str(folder), "--out", str(tmp_path / "tables")]) == 0
+    tex = [path.read_text() for path in sorted((tmp_path / "tables").glob("*.tex"))]
+    assert tex and any(r"\textbackslash{}input\{/etc/passwd\}" in text for text in tex)
+    assert not any(r"\input{" in text or "a$b" in text for text in tex)
