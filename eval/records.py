@@ -44,6 +44,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from centroidkv.errors import first_line
 from centroidkv.files import write_atomic
 
 RECORDS = "records.jsonl"
@@ -398,6 +399,17 @@ class JobStore:
             return {}
         return saved if isinstance(saved, dict) else {}
 
+    def config_problem(self) -> str | None:
+        """Why an existing config.yaml cannot be read as a mapping (first line), or None when it can
+        or when there is none: a damaged file is not "an older run"."""
+        if not (self.dir / CONFIG).exists():
+            return None
+        try:
+            saved = OmegaConf.load(self.dir / CONFIG)
+        except Exception as error:  # unreadable, not UTF-8 or not YAML
+            return first_line(error)
+        return None if isinstance(OmegaConf.to_container(saved), dict) else "not a mapping"
+
     def saved_identity(self) -> dict[str, Any] | None:
         """The identity saved in config.yaml, or None (no config, or one written before identities)."""
         identity = self._saved_config().get("identity")
@@ -436,8 +448,10 @@ class JobStore:
         if saved is None and self.finished:  # a finished job of an older version: skipped, nothing added
             return
         if saved is None:
+            unreadable = self.config_problem()
+            why = f"its {CONFIG} cannot be read ({unreadable})" if unreadable else "an older run"
             raise JobMismatch(
-                f"{self.dir} holds results without a saved identity (an older run): pass overwrite=true "
+                f"{self.dir} holds results without a saved identity ({why}): pass overwrite=true "
                 "(--force) to start the job again, or choose another experiment_name"
             )
         differing = differing_keys(saved, identity)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hardening_round2 import toy_records, write_job
+from test_hardening_round2 import finished_job, toy_records, write_job
 from test_harness import config_error_line
 
 import centroidkv.models
@@ -22,6 +22,10 @@ from centroidkv.calibrate import read_head_file
 from centroidkv.files import is_file, replaced_atomically, write_atomic
 from centroidkv.generate import main as generate_main
 from eval import calibrate as eval_calibrate
+from eval import runner
+from eval.records import JobMismatch, JobStore, ResultsFolderError
+from eval.runner import config_yaml_of, run_job
+from eval.schema import known_keys, missing_param_hint, suggestion
 from scripts import tables
 from scripts.latex import LATEX_SPECIALS, latex_escape
 
@@ -244,3 +248,47 @@ def test_a_variant_naming_a_latex_command_is_printed_not_run(tmp_path):
     tex = [path.read_text() for path in sorted((tmp_path / "tables").glob("*.tex"))]
     assert tex and any(r"\textbackslash{}input\{/etc/passwd\}" in text for text in tex)
     assert not any(r"\input{" in text or "a$b" in text for text in tex)
+
+
+# ------------------------------------------------------------------ D10. hints that say what is wrong
+def test_a_parameter_the_method_lacks_is_named_not_suggested_back():
+    """Before: `methods=[snapkv] method.params.window_size=-5` answered "did you mean
+    method.params.window_size=-5?", the input itself."""
+    root = {"method": {"name": "centroidkv", "params": {}}}
+    built = schema.build_schema()
+    line = missing_param_hint("method.params.window_size", built, root)
+    assert line.startswith("centroidkv has no parameter window_size; its parameters are n_sink, n_recent,")
+    assert line.endswith("(window_size is a parameter of snapkv, pyramidkv)")
+    keys = known_keys(built, root)
+    assert "method.params.window_size" not in suggestion("method.params.window_size", "-5", keys)
+    assert "did you mean n_recent?" in missing_param_hint("method.params.n_recnt", built, root)
+
+
+def test_an_unparsable_config_yaml_is_not_called_an_older_run(tmp_path):
+    cfg, raw, records = finished_job(tmp_path)
+    (cfg.job_dir / "done.json").unlink()
+    (cfg.job_dir / "config.yaml").write_text("identity: [unclosed\n")
+    with pytest.raises(JobMismatch, match=r"its config.yaml cannot be read \(") as error:
+        run_job(cfg, config_yaml_of(cfg, raw))
+    assert "older run" not in str(error.value)
+
+
+# ------------------------------------------------------------------ D11. a finished job on a read-only filesystem
+def test_a_finished_job_is_skipped_without_writing(tmp_path, monkeypatch, capsys):
+    """Before: the folder's write probe and the lock ran first, so a read-only filesystem refused a
+    job that needed no write."""
+    cfg, raw, records = finished_job(tmp_path)
+    before = {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()}
+
+    def read_only(*args, **kwargs):
+        raise ResultsFolderError(f"cannot write in {cfg.job_dir}: Read-only file system")
+
+    monkeypatch.setattr(runner, "check_results_folder", read_only)
+    monkeypatch.setattr(JobStore, "lock", read_only)
+    assert run_job(cfg, config_yaml_of(cfg, raw)) is None
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
+    )
+    assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
