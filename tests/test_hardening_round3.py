@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_hardening_round2 import finished_job, toy_records, write_job
-from test_harness import config_error_line
+from test_harness import config_error_line, run_cfg
 
 import centroidkv.models
 from centroidkv import schema
@@ -292,3 +292,30 @@ def test_a_finished_job_is_skipped_without_writing(tmp_path, monkeypatch, capsys
         .endswith(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
     )
     assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
+
+
+# ------------------------------------------------------------------ D4, D5. budgets that cannot keep anything
+NIAH_1024 = [
+    "model=smollm2-135m",
+    "benchmark=niah",
+    "benchmark.n_samples=1",
+    "benchmark.lengths=[1024]",
+    "benchmark.depths=[0.5]",
+]
+
+
+def test_a_budget_snapkvs_query_window_alone_exceeds_is_refused_naming_the_window(tmp_path):
+    """Before: validation passed and every record failed blaming "heads kept whole"."""
+    line = config_error_line(tmp_path, [*NIAH_1024, "methods=[snapkv]", "budgets=[0.04]"])
+    assert line.startswith(
+        "budgets: snapkv@0.04 in bytes on a 1024-token niah sample: its window of the last 32"
+    )
+    assert "window_size" in line and "heads kept whole" not in line
+    run_cfg(tmp_path, [*NIAH_1024, "methods=[snapkv]", "budgets=[0.1]"])  # room left: accepted
+
+
+def test_heads_budget_favouring_every_head_is_one_line_before_loading(tmp_path):
+    """Before: validation passed, then every record kept 0 entries."""
+    method = "methods=[{name:h2o,params:{heads:budget,heads_fraction:1,heads_boost:1000}}]"
+    line = config_error_line(tmp_path, ["model=smollm2-135m", method, "budgets=[0.25]"])
+    assert line.startswith("budgets: h2o") and "heads=budget lists every KV head" in line
