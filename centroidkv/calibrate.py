@@ -165,7 +165,29 @@ def read_head_file(path: str | Path) -> dict:
             f"heads_file {path}: errors must be an n_layers x n_kv_heads "
             f"({data['n_layers']} x {data['n_kv_heads']}) matrix of finite numbers"
         )
+    check_outliers(path, data)
     return data
+
+
+def check_outliers(path: Path, data: dict) -> None:
+    """One warning line (once per file) when the file's `outliers` are not the worst `fraction` of its
+    `errors`: a run lists heads from `errors` at its own heads_fraction, so an `outliers` edited by
+    hand does nothing, and saying so beats ignoring it silently."""
+    listed = worst_heads(data["errors"], data["fraction"])
+    expected = sorted([layer, head] for layer, heads in listed.items() for head in heads)
+    given = data["outliers"]
+    if all(isinstance(pair, list) and all(isinstance(i, int) for i in pair) for pair in given):
+        if sorted(given) == expected:
+            return
+    text = f"outliers {given} != {expected}"
+    if (str(path), text) not in _warned:
+        _warned.add((str(path), text))
+        print(
+            f"centroidkv: warning: heads_file {path}: outliers {given} are not the worst fraction "
+            f"{data['fraction']:g} of its errors ({expected}); runs list heads from errors and "
+            "heads_fraction only, so edit errors, not outliers",
+            file=sys.stderr,
+        )
 
 
 def same_model(a: str, b: str) -> bool:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_hardening_round2 import finished_job, toy_records, write_job
 from test_harness import config_error_line, run_cfg
 
@@ -319,3 +320,46 @@ def test_heads_budget_favouring_every_head_is_one_line_before_loading(tmp_path):
     method = "methods=[{name:h2o,params:{heads:budget,heads_fraction:1,heads_boost:1000}}]"
     line = config_error_line(tmp_path, ["model=smollm2-135m", method, "budgets=[0.25]"])
     assert line.startswith("budgets: h2o") and "heads=budget lists every KV head" in line
+
+
+# ------------------------------------------------------------------ D10. the head file's outliers are read
+def test_a_head_file_whose_outliers_were_edited_by_hand_says_so(tmp_path, capsys):
+    """Before: `outliers` was written but never read: editing it silently did nothing."""
+    packaged = (
+        Path(__file__).resolve().parent.parent / "centroidkv" / "data" / "outlier_heads_smollm2-135m.json"
+    )
+    data = json.loads(packaged.read_text())
+    read_head_file(packaged)
+    assert capsys.readouterr().err == ""  # the shipped file agrees with itself
+    data["outliers"] = [[0, 0]]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    read_head_file(edited)
+    line = one_error_line(capsys)
+    assert line.startswith(f"centroidkv: warning: heads_file {edited}: outliers [[0, 0]] are not the worst")
+
+
+# ------------------------------------------------------------------ M1. what a packed store really holds
+def test_records_say_what_a_packed_store_holds_and_when_it_kept_every_token(tiny_model):
+    """Before: an int4 cache at R = 0.9 kept every token and stored well under R, and no field said
+    so; kv_budget_ratio (right after compression) was the only ratio recorded."""
+    from centroidkv import get_method
+    from centroidkv.plan import CONTEXT_ONLY, Prompt, Run
+    from centroidkv.plan import run as plan_run
+
+    ids = torch.randint(10, tiny_model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    context, question = ids[:195].tolist(), ids[195:].tolist()
+    int4 = dict(kv_precision="int4", kv_group=16, kv_residual=16, compress_interval=8)
+    runs = [
+        Run(get_method("snapkv", **int4), 0.9),  # more than 4-bit codes can spend: nothing evicted
+        Run(get_method("snapkv", compress_interval=8), 0.4),
+        Run(get_method("full"), 1.0),
+    ]
+    outcomes = plan_run(
+        tiny_model, Prompt(context, question, context, question, CONTEXT_ONLY), runs, 12, set()
+    )
+    packed, plain, full = (outcome.generation.measured for outcome in outcomes)
+    assert packed["kept_every_token"] is True and packed["kv_final_ratio"] < 0.9 * 0.5
+    assert plain["kept_every_token"] is False
+    assert plain["kv_final_ratio"] == pytest.approx(plain["kv_budget_ratio"], rel=0.2)
+    assert full["kept_every_token"] is None
