@@ -39,10 +39,11 @@ import math
 import os
 import shlex
 import sys
-import tempfile
 from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from centroidkv.files import is_file, read_file_text, write_atomic
 
 if TYPE_CHECKING:
     pass
@@ -101,7 +102,7 @@ def head_file_for(model_name: str, score: str = "clustering") -> Path | None:
     """The head file `heads_file=<score>` reads for `model_name`: the user's calibration, else the one
     shipped in the package, else None (not calibrated yet)."""
     candidates = (user_head_file(model_name, score), packaged_head_file(model_name, score))
-    return next((p for p in candidates if p.is_file()), None)
+    return next((p for p in candidates if is_file(p)), None)
 
 
 def head_file_identity(path: Path) -> str:
@@ -117,7 +118,7 @@ def head_file_identity(path: Path) -> str:
         where = f"<cache>/outlier_heads/{path.name}"
     else:
         where = str(path)
-    if not path.is_file():
+    if not is_file(path):
         return f"{where} (not calibrated yet)"
     return f"{where} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
 
@@ -134,12 +135,19 @@ def read_head_file(path: str | Path) -> dict:
     """The parsed head file; a missing, unreadable or malformed one (a field missing or of the wrong
     type, errors not an n_layers x n_kv_heads matrix of finite numbers) raises one ValueError line."""
     path = Path(path)
-    if not path.is_file():
+    if os.path.isdir(path):
+        raise ValueError(
+            f"heads_file {str(path)!r} is a folder, not a file ({' or '.join(HEAD_SCORES)} or a path)"
+        )
+    if not is_file(path):
         raise ValueError(f"heads_file {str(path)!r} does not exist ({' or '.join(HEAD_SCORES)} or a path)")
+    text = read_file_text(path, "heads_file")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
         raise ValueError(f"heads_file {path} is not valid JSON: {error}") from None
+    except RecursionError:  # a document nested deeper than the parser's stack
+        raise ValueError(f"heads_file {path} is not a head file: JSON nested too deeply") from None
     missing = [key for key in FIELDS if not isinstance(data, dict) or key not in data]
     if missing:
         raise ValueError(f"heads_file {path} lacks {', '.join(missing)}")
@@ -163,7 +171,29 @@ def read_head_file(path: str | Path) -> dict:
             f"heads_file {path}: errors must be an n_layers x n_kv_heads "
             f"({data['n_layers']} x {data['n_kv_heads']}) matrix of finite numbers"
         )
+    check_outliers(path, data)
     return data
+
+
+def check_outliers(path: Path, data: dict) -> None:
+    """One warning line (once per file) when the file's `outliers` are not the worst `fraction` of its
+    `errors`: a run lists heads from `errors` at its own heads_fraction, so an `outliers` edited by
+    hand does nothing, and saying so beats ignoring it silently."""
+    listed = worst_heads(data["errors"], data["fraction"])
+    expected = sorted([layer, head] for layer, heads in listed.items() for head in heads)
+    given = data["outliers"]
+    if all(isinstance(pair, list) and all(isinstance(i, int) for i in pair) for pair in given):
+        if sorted(given) == expected:
+            return
+    text = f"outliers {given} != {expected}"
+    if (str(path), text) not in _warned:
+        _warned.add((str(path), text))
+        print(
+            f"centroidkv: warning: heads_file {path}: outliers {given} are not the worst fraction "
+            f"{data['fraction']:g} of its errors ({expected}); runs list heads from errors and "
+            "heads_fraction only, so edit errors, not outliers",
+            file=sys.stderr,
+        )
 
 
 def same_model(a: str, b: str) -> bool:
@@ -258,14 +288,7 @@ def listed_heads_for(
 
 
 def write_head_file(data: dict, path: Path) -> Path:
-    """Write the head file through a temporary file and a rename: readers never see half of it."""
+    """Write the head file atomically (`centroidkv.files.write_atomic`): readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
     return path

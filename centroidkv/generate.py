@@ -34,11 +34,11 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
+from centroidkv.files import file_problem, is_file, read_file_text
 from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, model_kind, parse_model_name
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
@@ -302,10 +302,20 @@ def read_text(value: str, what: str) -> str:
     """`-` reads stdin; an existing file is read; anything else is an error (for --context)."""
     if value == "-":
         return sys.stdin.read()
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"--{what}: no such file: {value}")
-    return path.read_text()
+    problem = file_problem(value)
+    if problem is not None:
+        raise ValueError(f"--{what}: {problem}")
+    return read_file_text(value, f"--{what}")
+
+
+def read_questions(values: list[str]) -> list[str]:
+    """The --question values: each the text of the file it names (`is_file` cannot raise, so a long
+    question is simply text), else the text itself; an empty one among several is refused by number."""
+    questions = [read_file_text(q, "--question").strip() if q and is_file(q) else q for q in values]
+    empty = [position for position, question in enumerate(questions, 1) if not question.strip()]
+    if len(questions) > 1 and empty:
+        raise ValueError(f"--question number {empty[0]} of {len(questions)} is empty: give each some text")
+    return questions
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -380,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         context = args.prompt if args.prompt is not None else read_text(args.context, "context")
-        questions = [Path(q).read_text().strip() if q and Path(q).is_file() else q for q in args.question]
-        questions = questions or [""]
+        questions = read_questions(args.question) or [""]
         if len(questions) > 1 and args.protocol != CONTEXT_ONLY:
             raise ValueError("several --question need --context and the context_only protocol")
         if not context.strip():

@@ -62,6 +62,14 @@ class Measurement:
 MEASUREMENTS: dict[str, Measurement] = {}
 
 
+def _kept_every_token(cache) -> bool | None:
+    """Whether a compressing method's cache holds every token it has seen in every layer (None for the
+    full cache, which always does)."""
+    if not cache.method.compresses or not cache.layers:
+        return None
+    return all(layer.length == layer.get_seq_length() for layer in cache.layers)
+
+
 def register_measurement(measurement: Measurement) -> Measurement:
     """Add a measurement to every record from now on; a name taken by another one is refused."""
     existing = MEASUREMENTS.get(measurement.name)
@@ -123,6 +131,16 @@ for _measurement in (
         lambda run: run.cache.kv_bytes(),
         scale=2**-20,
         in_table=False,
+    ),
+    # what the cache holds at the end over the same reference as kv_budget_ratio: a packed store's
+    # bytes fall when its residual is packed, and this says what it really held
+    Measurement(
+        "kv_final_ratio", "KV/budget end", DECODED, lambda run: run.cache.budget_ratio(), in_table=False
+    ),
+    # True when a compressing method ended holding every token it saw: its budget was more than its
+    # storage could spend (e.g. int4 at R = 0.25 of a float32 reference), so R bought no compression
+    Measurement(
+        "kept_every_token", "kept all", DECODED, lambda run: _kept_every_token(run.cache), in_table=False
     ),
     Measurement(
         "kv_len", "entries", DECODED, lambda run: max(run.cache.seq_lengths(), default=0), in_table=False

@@ -32,6 +32,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from centroidkv.calibrate import HEAD_SCORES
+from centroidkv.files import is_file
 from centroidkv.heads import HEAD_POLICIES, check_head_source
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import Need
@@ -40,7 +41,9 @@ from centroidkv.parsing import parse_method_spec, shorthand_error
 from centroidkv.quantization import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
+    GROUP_RULE,
     PRECISIONS,
+    RESIDUAL_RULE,
     STORAGE_PARAMS,
     StorageFormat,
     check_precision,
@@ -114,8 +117,8 @@ class Method:
     heads_fraction: float = param(0.04, minimum=0.0, maximum=1.0)
     heads_boost: float = param(4.0, minimum=1, low_open=True)
     kv_precision: str = param("model", choices=PRECISIONS)
-    kv_group: int = param(DEFAULT_GROUP, minimum=1)
-    kv_residual: int = param(DEFAULT_RESIDUAL, minimum=0)
+    kv_group: int = param(DEFAULT_GROUP, **GROUP_RULE)
+    kv_residual: int = param(DEFAULT_RESIDUAL, **RESIDUAL_RULE)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -175,7 +178,7 @@ class Method:
 
         explicit = self.heads != "none" and str(self.heads_file) not in HEAD_SCORES
         path = self.head_file(model_name)
-        if path is not None and (explicit or path.is_file()):  # a score without a file: calibrated on load
+        if path is not None and (explicit or is_file(path)):  # a score without a file: calibrated on load
             check_head_file(path, read_head_file(path), model_name, _model_shape(model_name))
 
     def identity_fields(self, model_name: str) -> dict[str, Any]:
@@ -195,7 +198,7 @@ class Method:
         runner refuses a byte budget these heads alone would exceed). 0 when none is listed, or when
         a score has no file yet: the runner calibrates it when the model loads."""
         path = self.head_file(model_name)
-        if path is None or not path.is_file():
+        if path is None or not is_file(path):
             return 0.0
         from centroidkv.calibrate import read_head_file, worst_heads
 
@@ -238,7 +241,7 @@ class Method:
         if problems:
             raise ValueError(problems[0])
         check_head_source(self.heads, self.heads_file)
-        check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)  # a power-of-two group
+        check_precision(self.kv_precision, self.kv_group, self.kv_residual, self.name)
         if self.heads != "none" and not self.compresses:
             raise ValueError(f"{self.name}: a head policy needs a method that compresses (heads=none)")
 

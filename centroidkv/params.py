@@ -10,7 +10,8 @@ object (a head file, a kvpress press's parameters) stay in the methods' `validat
 
 A rule is a plain dict (JSON as it is): `type`, taken from the field's default (bool, int, float, str,
 dict; bool is not an int, an int is a float), and any of `minimum`, `maximum`, `low_open`,
-`high_open` (numbers), `parity` ("even" or "odd", integers), `choices` (a list of allowed values),
+`high_open` (numbers), `parity` ("even" or "odd", integers), `power_of_two` (integers),
+`choices` (a list of allowed values),
 `at_most` (the name of a parameter this one must not exceed) and `reason` (why, shown in the
 message). A subclass that redefines a field with a plain default keeps the rule of the field it
 redefines (`field_rule` looks along the class's bases).
@@ -38,13 +39,14 @@ def param(
     low_open: bool = False,
     high_open: bool = False,
     parity: str | None = None,
+    power_of_two: bool = False,
     choices: Iterable[Any] | None = None,
     at_most: str | None = None,
     reason: str | None = None,
 ) -> Any:
     """A dataclass field with `default` and a rule (module docstring): an integer >= minimum, a number
     in [minimum, maximum] (either end open; without a maximum, a finite number), an even or odd
-    integer, or one of `choices`; and at most the value of the parameter named `at_most`. `reason`
+    integer, a power of two, or one of `choices`; and at most the value of the parameter named `at_most`. `reason`
     says why, in the message."""
     if parity not in (None, "even", "odd"):
         raise ValueError(f"parity must be even or odd, got {parity!r}")
@@ -56,6 +58,7 @@ def param(
             low_open=low_open,
             high_open=high_open,
             parity=parity,
+            power_of_two=power_of_two,
             at_most=at_most,
             reason=reason,
         ).items()
@@ -129,7 +132,9 @@ def requirement(rule: dict[str, Any]) -> str:
         return str(choices[0]) if len(choices) == 1 else f"one of {', '.join(map(str, choices))}"
     kind = rule.get("type")
     low, high = rule.get("minimum"), rule.get("maximum")
-    if kind == "int":
+    if kind == "int" and rule.get("power_of_two"):
+        what = "a power of two"
+    elif kind == "int":
         what = f"an {rule['parity']} integer" if rule.get("parity") else "an integer"
     elif kind == "float":
         what = "a number"
@@ -181,6 +186,8 @@ def rule_error(rule: dict[str, Any], value: Any) -> str | None:
         if ok and kind == "int" and rule.get("parity"):
             if value % 2 != (0 if rule["parity"] == "even" else 1):
                 return f"must be {rule['parity']}{reason}, got {value!r}"
+        if ok and kind == "int" and rule.get("power_of_two") and (value < 1 or value & (value - 1)):
+            return f"must be a power of two{reason}, got {value!r}"
     if ok:
         return None
     return f"must be {requirement(rule)}{reason}, got {value!r}"

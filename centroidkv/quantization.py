@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from centroidkv.params import check_param
+
 PRECISIONS = ("model", "bf16", "fp16", "int8", "int4", "int2")
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INTEGER_BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -43,15 +45,22 @@ CODE_AXES = ("channel", "token")  # keys per channel, values per token
 STORAGE_PARAMS = ("kv_precision", "kv_group", "kv_residual")  # every method's storage parameters
 
 
+# The storage parameters' rules (`centroidkv.params.param`), declared once: the methods' fields carry
+# them into the torch-free schema, and `check_precision` checks a format built without a method.
+# A group divides the head size (no model here has heads over 256 channels); the residual is a
+# preallocated full-precision buffer, so it is bounded by the longest context any model here takes.
+MAX_GROUP = 256
+MAX_RESIDUAL = 131072
+GROUP_RULE = {"minimum": 1, "maximum": MAX_GROUP, "power_of_two": True, "reason": "it divides the head size"}
+RESIDUAL_RULE = {"minimum": 0, "maximum": MAX_RESIDUAL, "reason": "tokens kept in full precision"}
+
+
 def check_precision(precision: object, group: object, residual: object, where: str) -> None:
     """Raise one ValueError line for a storage format that cannot be built (`where`: who asks)."""
     if precision not in PRECISIONS:
         raise ValueError(f"{where}: kv_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    for name, value, minimum in (("kv_group", group, 1), ("kv_residual", residual, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
-    if precision in INTEGER_BITS and group & (group - 1):
-        raise ValueError(f"{where}: kv_group must be a power of two (it divides the head size), got {group}")
+    for name, value, rule in (("kv_group", group, GROUP_RULE), ("kv_residual", residual, RESIDUAL_RULE)):
+        check_param(where, name, value, {"type": "int", **rule})
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from centroidkv.files import write_atomic
 from centroidkv.model_names import MODEL_NAMES, cache_dir
 from centroidkv.params import did_you_mean, param_errors
 from centroidkv.parsing import parse_method_spec, shorthand_error
@@ -90,6 +90,25 @@ def build_schema() -> dict[str, Any]:
     return {"models": list(MODEL_NAMES), "methods": methods}
 
 
+def is_schema(schema: Any) -> bool:
+    """Whether `schema` has the shape `build_schema` gives: a cached file that parses, with the right
+    fingerprint, but not this shape (emptied, edited by hand) is rebuilt rather than trusted."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("models"), list):
+        return False
+    methods = schema.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        return False
+    return all(
+        isinstance(entry, dict)
+        and isinstance(entry.get("params"), dict)
+        and isinstance(entry.get("rules"), dict)
+        and all(isinstance(rule, dict) for rule in entry["rules"].values())
+        and "shorthand" in entry
+        and (entry["shorthand"] is None or isinstance(entry["shorthand"], str))
+        for entry in methods.values()
+    )
+
+
 def schema_path() -> Path:
     return cache_dir() / "config_schema.json"
 
@@ -105,16 +124,14 @@ def config_schema() -> dict[str, Any]:
     path = schema_path()
     try:
         cached = json.loads(path.read_text())
-        if cached.get("fingerprint") == key:
+        if cached.get("fingerprint") == key and is_schema(cached["schema"]):
             return cached["schema"]
     except (OSError, ValueError, AttributeError, KeyError):
         pass
     schema = build_schema()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"fingerprint": key, "schema": schema}, default=str))
-        os.replace(temporary, path)
+        write_atomic(path, json.dumps({"fingerprint": key, "schema": schema}, default=str))
     except OSError:
         pass
     return schema

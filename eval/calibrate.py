@@ -18,6 +18,7 @@ from __future__ import annotations
 # (torch, the models, the essays) is imported inside the functions that use it.
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -156,7 +157,7 @@ def calibrate_missing(model, methods: Iterable[Method]) -> None:
 def check_writable(path: Path) -> None:
     """Raise one ValueError line unless the head file `path` can be written (its folder created, a
     file created in it), so that an unwritable folder is found before minutes of calibration."""
-    if path.is_dir():
+    if os.path.isdir(path):
         raise ValueError(f"cannot write {path}: it is a folder (--out names the JSON file)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,6 +185,28 @@ def check_window_fits(budget: float, n_tokens: int) -> None:
         what=f"--budget {budget:g} of --tokens {n_tokens} (CentroidKV's defaults)",
         remedy=f"raise --tokens to at least {at_least} or raise --budget",
     )
+
+
+def check_tokens_fit(name: str, n_tokens: int) -> None:
+    """Raise one ValueError line when a window of `n_tokens` exceeds the positions of the model `name`
+    (known without loading it; a hub model not in the local cache is not checked)."""
+    from centroidkv.model_specs import max_positions
+
+    positions = max_positions(name)
+    if positions is not None and n_tokens > positions:
+        raise ValueError(
+            f"--tokens {n_tokens} exceeds {name}'s {positions} positions: give at most {positions}"
+        )
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`main`, with Ctrl-C as one line and exit code 130 (the head file is written in one rename at
+    the end, so an interrupted calibration leaves nothing behind)."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        print("calibrate: interrupted; nothing written", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
             raise ValueError("--prompts and --tokens must be >= 1")
         check_window_fits(args.budget, args.tokens)
+        check_tokens_fit(name, args.tokens)
         out = args.out or user_head_file(name, args.score)
         check_writable(out)
     except ValueError as error:
@@ -270,4 +294,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

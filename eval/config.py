@@ -615,6 +615,15 @@ def _unknown_keys(node: dict[str, Any], known: tuple[str, ...], prefix: str) -> 
     ]
 
 
+# heads=budget listing every head: none is compressed to B, each keeps heads_boost x B = R x its
+# length, so B = R x length / heads_boost rounds to 0 entries below heads_boost / R tokens.
+EVERY_HEAD_FAVOURED = (
+    "heads=budget lists every KV head (heads_fraction), so no head is compressed and each keeps R / heads_boost "
+    "of its length boosted back: at best heads=none, and nothing at all on prompts under heads_boost / R tokens; "
+    "lower heads_fraction or use heads=none"
+)
+
+
 def _budget_errors(
     specs: list[MethodSpec], benchmark: Benchmark, model_name: str, budget_unit: str, dtype: str = "float32"
 ) -> list[str]:
@@ -626,6 +635,7 @@ def _budget_errors(
       bytes the compressed heads' share is estimated (`centroidkv.heads.compressed_fraction`); the
       cache checks the exact one at run time."""
     from centroidkv import get_method
+    from eval.window_budget import window_budget_error
 
     errors = []
     for spec in specs:
@@ -633,6 +643,9 @@ def _budget_errors(
         if not method.compresses:
             continue
         fraction = spec.budget
+        if method.heads == "budget" and method.listed_fraction(model_name) >= 1:
+            errors.append(f"budgets: {spec.label} on {model_name}: {EVERY_HEAD_FAVOURED}")
+            continue
         if budget_unit == "bytes":
             try:
                 fraction = compressed_fraction(
@@ -644,6 +657,12 @@ def _budget_errors(
         if not benchmark.length_is_tokens:
             continue
         shortest = min(benchmark.lengths)
+        window_error = window_budget_error(method, model_name, spec.budget, shortest)
+        if budget_unit == "bytes" and window_error:
+            errors.append(
+                f"budgets: {spec.label} in bytes on a {shortest}-token {benchmark.name} sample: {window_error}"
+            )
+            continue
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
         if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.quantization)
             import torch

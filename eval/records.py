@@ -44,6 +44,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from centroidkv.errors import first_line
+from centroidkv.files import write_atomic
+
 RECORDS = "records.jsonl"
 DONE = "done.json"
 CONFIG = "config.yaml"
@@ -138,24 +141,13 @@ def record_key(record: dict[str, Any]) -> str:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old file or the whole new one."""
+    """Write `text` to `path` so that readers see either the old file or the whole new one
+    (`centroidkv.files.write_atomic`); every OSError is one ResultsWriteError line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        write_atomic(path, text)
     except OSError as error:
         raise ResultsWriteError(f"cannot write {path}: {_reason(error)}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException as error:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(error, OSError):
-            raise ResultsWriteError(f"cannot write {path}: {_reason(error)}") from None
-        raise
 
 
 def _reason(error: OSError) -> str:
@@ -407,6 +399,17 @@ class JobStore:
             return {}
         return saved if isinstance(saved, dict) else {}
 
+    def config_problem(self) -> str | None:
+        """Why an existing config.yaml cannot be read as a mapping (first line), or None when it can
+        or when there is none: a damaged file is not "an older run"."""
+        if not (self.dir / CONFIG).exists():
+            return None
+        try:
+            saved = OmegaConf.load(self.dir / CONFIG)
+        except Exception as error:  # unreadable, not UTF-8 or not YAML
+            return first_line(error)
+        return None if isinstance(OmegaConf.to_container(saved), dict) else "not a mapping"
+
     def saved_identity(self) -> dict[str, Any] | None:
         """The identity saved in config.yaml, or None (no config, or one written before identities)."""
         identity = self._saved_config().get("identity")
@@ -445,8 +448,10 @@ class JobStore:
         if saved is None and self.finished:  # a finished job of an older version: skipped, nothing added
             return
         if saved is None:
+            unreadable = self.config_problem()
+            why = f"its {CONFIG} cannot be read ({unreadable})" if unreadable else "an older run"
             raise JobMismatch(
-                f"{self.dir} holds results without a saved identity (an older run): pass overwrite=true "
+                f"{self.dir} holds results without a saved identity ({why}): pass overwrite=true "
                 "(--force) to start the job again, or choose another experiment_name"
             )
         differing = differing_keys(saved, identity)

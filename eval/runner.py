@@ -64,6 +64,9 @@ def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
     return summary
 
 
+SKIP = "[skip] {job_dir} is finished (delete done.json or pass overwrite=true to rerun it)"
+
+
 def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     """Run (or resume) one job; returns its summary, or None when it was already finished.
 
@@ -72,8 +75,14 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     records must all be the job's own. Raises a JobError (one line) when the job cannot run, when no
     record succeeded, or when it is interrupted (Ctrl-C: JobInterrupted, exit status 130).
     """
-    check_results_folder(cfg.job_dir, cfg.needed_bytes)
     store = JobStore(cfg.job_dir)
+    if not cfg.overwrite and store.finished and not cfg.job_dir.is_symlink():
+        # a finished job needs no write, so neither the folder check nor the lock (a read-only
+        # filesystem included); its identity must still be this config's
+        store.check_identity(cfg.identity())
+        print(SKIP.format(job_dir=cfg.job_dir))
+        return None
+    check_results_folder(cfg.job_dir, cfg.needed_bytes)
     stale = store.lock()
     try:
         if stale:
@@ -107,7 +116,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.check_identity(identity)
     if store.finished:
-        print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
+        print(SKIP.format(job_dir=cfg.job_dir))
         return None
     store.check_own_records(job_owner(cfg))
     from centroidkv import get_method, load_model, load_tokenizer

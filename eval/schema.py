@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from centroidkv.params import did_you_mean
 from centroidkv.schema import (  # noqa: F401  (re-exported: the harness's one door to the schema)
     SCHEMA_VERSION,
     SOURCE_PACKAGES,
@@ -50,7 +51,7 @@ def suggestion(key: str, value: str | None, keys: dict[str, Any]) -> str:
     its last part, those under the same node first (`benchmark.n_sample` -> `benchmark.n_samples=1`,
     `budget` -> `budgets=[0.25] or method.budget=0.25`); "" when none is close."""
     node, _, last = key.rpartition(".")
-    ratios = {k: difflib.SequenceMatcher(None, last, k.rpartition(".")[2]).ratio() for k in keys}
+    ratios = {k: difflib.SequenceMatcher(None, last, k.rpartition(".")[2]).ratio() for k in keys if k != key}
     close = sorted(
         (k for k, ratio in ratios.items() if ratio >= 0.8),
         key=lambda k: (k.rpartition(".")[0] != node, -ratios[k], k),
@@ -65,3 +66,21 @@ def suggestion(key: str, value: str | None, keys: dict[str, Any]) -> str:
         return f"{name}=[{value}]" if as_list else f"{name}={value}"
 
     return f"did you mean {' or '.join(written(k) for k in close)}?"
+
+
+def missing_param_hint(key: str, schema: dict[str, Any], root: dict[str, Any]) -> str | None:
+    """For `method.params.<name>` that the composed method lacks: `snapkv has no parameter x; its
+    parameters are ...`, naming the methods that have it (another method's parameter is a valid key
+    of the schema, so the closest key would be the key itself); None for any other key."""
+    node, _, name = key.rpartition(".")
+    method = root.get("method") if isinstance(root.get("method"), dict) else {}
+    method_name = method.get("name")
+    if node != "method.params" or method_name not in schema["methods"]:
+        return None
+    params = schema["methods"][method_name]["rules"]
+    if name in params:
+        return None
+    owners = [other for other, entry in schema["methods"].items() if name in entry["rules"]]
+    elsewhere = f" ({name} is a parameter of {', '.join(owners)})" if owners else ""
+    hint = did_you_mean(name, params)
+    return f"{method_name} has no parameter {name}{hint}; its parameters are {', '.join(params)}{elsewhere}"

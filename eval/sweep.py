@@ -205,7 +205,7 @@ def _key_hint(hydra, config_name: str, overrides: list[str], line: str) -> str:
 
     from hydra.types import RunMode
 
-    from eval.schema import known_keys, suggestion
+    from eval.schema import known_keys, missing_param_hint, suggestion
 
     found = re.match(r"Could not override '([^']+)'", line)
     if found is None:
@@ -220,7 +220,8 @@ def _key_hint(hydra, config_name: str, overrides: list[str], line: str) -> str:
     except Exception:  # the rest has its own error: no hint
         return ""
     root.pop("hydra", None)
-    return suggestion(key, value, known_keys(config_schema(), root))
+    schema = config_schema()
+    return missing_param_hint(key, schema, root) or suggestion(key, value, known_keys(schema, root))
 
 
 # ------------------------------------------------------------------------------ submitit launchers

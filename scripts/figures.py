@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import os
 import sys
-import tempfile
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,6 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from centroidkv.files import replaced_atomically  # noqa: E402
 from centroidkv.methods import method_class, method_label, method_names, method_variant  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from eval.records import RECORDS  # noqa: E402
@@ -200,15 +199,8 @@ def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
         output_folder(out)
         paths = [output_path(out, f"{name}.png"), output_path(out, f"{name}.pdf")]
         for path in paths:
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.stem}.", suffix=path.suffix)
-            os.close(fd)
-            try:
-                fig.savefig(tmp, dpi=150, bbox_inches="tight")
-                os.chmod(tmp, 0o644)  # mkstemp creates 0600; figures are meant to be shared
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with replaced_atomically(path) as temporary:
+                fig.savefig(temporary, format=path.suffix[1:], dpi=150, bbox_inches="tight")
     except OSError as error:
         raise OutputError(f"error: cannot write {out / name}: {error.strerror or error}") from None
     finally:

@@ -33,6 +33,7 @@ from centroidkv.measurements import table_measurements  # noqa: E402
 from centroidkv.methods import method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
+from scripts.latex import latex_escape  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
 # which samples run while every record names the sample it holds (the benchmarks' `sample_choice`:
@@ -464,24 +465,23 @@ def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) ->
 
 
 def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
-
-    def esc(text: str) -> str:
-        text = str(text).replace("_", r"\_").replace("%", r"\%").replace("&", r"\&")
-        return text.replace(">", r"$>$").replace("<", r"$<$")
-
     best = bolded(table) if bold_best else {}
     lines = [
         r"\begin{table}[t]",
         r"\centering",
         r"\small",
-        rf"\caption{{{esc(caption)}}}",
+        rf"\caption{{{latex_escape(caption)}}}",
         r"\begin{tabular}{l" + "r" * len(table.columns) + "}",
         r"\toprule",
-        " & ".join([esc(table.index.name or "")] + [esc(c) for c in table.columns]) + r" \\",
+        " & ".join([latex_escape(table.index.name or "")] + [latex_escape(c) for c in table.columns])
+        + r" \\",
         r"\midrule",
     ]
     for label, row in table.iterrows():
-        cells = [esc(label), *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}", esc)]
+        cells = [
+            latex_escape(label),
+            *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}", latex_escape),
+        ]
         lines.append(" & ".join(cells) + r" \\")
         if str(label).startswith("Full"):
             lines.append(r"\midrule")

@@ -116,7 +116,11 @@ def test_every_method_s_defaults_pass_its_rules():
         ("cam", {"merge_budget": 0}, "cam: merge_budget must be an integer >= 1, got 0"),
         ("kivi", {"kv_precision": "int8"}, "kv_precision must be one of int2, int4 (KIVI-2, KIVI-4"),
         ("duo_attention", {"heads": "budget"}, "duo_attention: heads must be whole"),
-        ("full", {"kv_group": 0}, "full: kv_group must be an integer >= 1, got 0"),
+        (
+            "full",
+            {"kv_group": 0},
+            "full: kv_group must be a power of two in [1, 256] (it divides the head size), got 0",
+        ),
         ("kvpress", {"press_params": 3}, "kvpress: press_params must be a mapping, got 3"),
         ("kvpress", {"heads": "whole"}, "kvpress: heads must be none (presses compress inside kvpress's"),
         ("centroidkv", {"n_recnt": 3}, "centroidkv: unknown parameter(s) n_recnt; known: "),

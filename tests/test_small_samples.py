@@ -59,7 +59,7 @@ def test_one_sample_ranking_above_the_full_cache_at_an_equal_score_carries_a_war
         assert "only 1 sample per method (fewer than 10)" in caption, name
     summary = (tmp_path / "tables" / "ruler_summary.md").read_text()
     assert "average over 1 task per budget" in summary and "1 tasks" not in summary
-    assert r"$<$" in (tmp_path / "tables" / "ruler_ranking.tex").read_text()  # "<" set as maths in LaTeX
+    assert r"\textless{}" in (tmp_path / "tables" / "ruler_ranking.tex").read_text()  # "<" escaped in LaTeX
 
 
 def test_enough_samples_and_a_clear_lead_are_resolved_without_a_warning(tmp_path, capsys):
