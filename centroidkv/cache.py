@@ -654,6 +654,10 @@ class CompressedCache(Cache):
         "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.budget`.
     """
 
+    # The layer of a hybrid model's window layers: `centroidkv.window_layer.WindowLayer` registers itself
+    # here (it subclasses CompressedLayer, so this module cannot import it).
+    window_layer_class: type[CompressedLayer] | None = None
+
     def __init__(
         self,
         method: Method | str = "centroidkv",
@@ -813,9 +817,7 @@ class CompressedCache(Cache):
     def new_layer(self, layer_idx: int) -> CompressedLayer:
         """An empty layer: a window layer of a hybrid model (`centroidkv.window_layer`), else compressed."""
         if layer_idx in self.sliding_windows:
-            from centroidkv.window_layer import WindowLayer  # it subclasses CompressedLayer
-
-            return WindowLayer(self, layer_idx, self.sliding_windows[layer_idx])
+            return self.window_layer_class(self, layer_idx, self.sliding_windows[layer_idx])
         return CompressedLayer(self, layer_idx)
 
     def layer_entries(self, layer_idx: int, length: int) -> int:

@@ -161,7 +161,7 @@ def part_files(model: WheelModel, name: str) -> list[Path]:
         if not files:
             raise RuntimeError(f"no .gguf file found inside the {model.packages[0]} package")
         return files[:1]
-    parts = [path for folder in folders for path in folder.glob("data/*") if re.search(r"\d+$", path.name)]
+    parts = [path for folder in folders for path in folder.glob("data/*") if re.search(r"\d", path.name)]
     if len(parts) != len(folders):
         raise RuntimeError(
             f"{name}: expected one numbered part file in each package's data/, found {len(parts)}"

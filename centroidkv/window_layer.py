@@ -92,6 +92,9 @@ class WindowLayer(CompressedLayer):
         return twin
 
 
+CompressedCache.window_layer_class = WindowLayer
+
+
 def window_attention(query: Tensor, key: Tensor, value: Tensor, window: int, scaling: float | None) -> Tensor:
     """Causal attention over the last `window` positions: query [B, Hq, q, D] (the last q of the kv_len
     entries, which are consecutive tokens), key/value [B, Hkv, kv_len, D] -> output [B, q, Hq, D].
