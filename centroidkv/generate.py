@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
-from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, parse_model_name
+from centroidkv.model_names import EMBEDDED_MODEL, MODEL_NAMES, RANDOM_MODELS, parse_model_name
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 from centroidkv.schema import check_method_spec, config_schema
@@ -333,8 +333,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--budget", type=float, default=0.25, help="R, a fraction in (0, 1]")
     parser.add_argument("--budget-unit", choices=BUDGET_UNITS, default=DEFAULT_BUDGET_UNIT)
-    parser.add_argument("--model", default=EMBEDDED_MODEL)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--model", default=EMBEDDED_MODEL, help=f"one of {', '.join(MODEL_NAMES)} (random-*:N keeps N layers)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per answer")
     parser.add_argument(
         "--protocol",
         choices=PROTOCOLS,

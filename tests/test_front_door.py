@@ -35,10 +35,30 @@ def test_every_make_target_that_takes_options_passes_args():
             ["make", "-n", "-o", ".venv/.installed", target, "ARGS=--marker-arg"],
             cwd=ROOT, capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        runs = [line for line in dry_run.replace("\\\n", " ").splitlines() if any(s in line for s in OPTION_SCRIPTS)]
+        runs = [
+            line
+            for line in dry_run.replace("\\\n", " ").splitlines()
+            if any(s in line for s in OPTION_SCRIPTS)
+        ]
         assert runs and all("--marker-arg" in line for line in runs), (target, dry_run)
     kmeans = subprocess.run(
         ["make", "-n", "-o", ".venv/.installed", "bench", "KMEANS_ARGS=--kmeans-arg"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "scripts/bench_kmeans.py --kmeans-arg" in kmeans
+
+
+def test_generate_help_shows_the_defaults_and_the_model_names():
+    """Before: `--model MODEL` and `--max-new-tokens` had no default shown and no model list."""
+    from centroidkv.model_names import EMBEDDED_MODEL, MODEL_NAMES
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "centroidkv.generate", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    flat = " ".join(shown.split())
+    assert f"(default: {EMBEDDED_MODEL})" in flat and "(default: 64)" in flat
+    assert all(name in flat for name in MODEL_NAMES)
