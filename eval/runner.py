@@ -24,7 +24,15 @@ from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
 from eval.hub import offline_unless_reachable
-from eval.records import JobError, JobStore, check_results_folder, environment, record_key, scan_records
+from eval.records import (
+    JobError,
+    JobStore,
+    check_results_folder,
+    environment,
+    finished_message,
+    record_key,
+    scan_records,
+)
 
 
 class SetupError(JobError):
@@ -107,7 +115,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.check_identity(identity)
     if store.finished:
-        print(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
+        print(finished_message(cfg.job_dir))
         return None
     store.check_own_records(job_owner(cfg))
     from centroidkv import get_method, load_model, load_tokenizer
