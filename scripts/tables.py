@@ -32,6 +32,7 @@ import pandas as pd  # noqa: E402
 from centroidkv.measurements import table_measurements  # noqa: E402
 from centroidkv.methods import method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
+from eval.dedup import drop_repeated_records  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
@@ -82,6 +83,10 @@ def row_identity(record: dict[str, Any], variant: str) -> dict[str, Any]:
         value = record.get(field_name)
         identity.setdefault(key, missing if value is None or value != value else value)
     return identity
+
+
+def _own_variant(record: dict[str, Any]) -> str:
+    return str(record.get("variant") or record.get("method"))
 
 
 def short_key_names(keys: list[str]) -> dict[str, str]:
@@ -141,7 +146,7 @@ def load(paths: list[Path]) -> pd.DataFrame:
     `methods`), the full cache first; `label_rank` orders labels the same way, the configurations of
     one entry by the values that tell them apart. Tables list rows, and figures pick styles, by it.
     """
-    records = list(iter_records(paths))
+    records = drop_repeated_records(iter_records(paths), lambda r: row_identity(r, _own_variant(r)))
     if not records:
         return pd.DataFrame()
     df = pd.DataFrame(records)

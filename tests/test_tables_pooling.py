@@ -112,7 +112,9 @@ def test_own_budgets_and_other_variants_keys_do_not_split(tmp_path):
     job(tmp_path, "c", two_methods(range(2)), IDENTITY, **{"methods.centroidkv.params.r_init": 0.5})
     rows = budget_table(tmp_path)
     assert list(rows) == ["Full cache", "CentroidKV (r_init=0.3)", "CentroidKV (r_init=0.5)"]
-    assert rows["Full cache"]["n"] == "10"
+    # a's and c's full-cache records are the same samples in the same configuration: counted once
+    # (issue 40, item 4; before, n was 10), plus b's two.
+    assert rows["Full cache"]["n"] == "6"
 
 
 def test_short_key_names_are_unambiguous():
