@@ -24,6 +24,7 @@ from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
 from eval.hub import offline_unless_reachable
+from eval.machine_load import machine_load
 from eval.records import (
     JobError,
     JobStore,
@@ -173,7 +174,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         for record in evaluator.iter_sample(
             sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
         ):
-            record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job)
+            record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
             record.update(method_fields.get(record.get("variant"), {}))
             store.append(record)
             logger.log_record(record)

@@ -33,6 +33,7 @@ from centroidkv.measurements import table_measurements  # noqa: E402
 from centroidkv.methods import method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.dedup import drop_repeated_records  # noqa: E402
+from eval.machine_load import load_note  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
@@ -570,12 +571,14 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))
-        tables["measurements"] = (f"Mean of each measurement per record, {models}", measured, 2)
+        caption = f"Mean of each measurement per record, {models}{load_note(df.to_dict('records'))}"
+        tables["measurements"] = (caption, measured, 2)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
         tables["speed"] = (
-            f"Decoding time per token, time to first token and KV cache size, {models}",
+            f"Decoding time per token, time to first token and KV cache size, {models}"
+            + load_note(timed.to_dict("records")),
             speed_table(timed),
             2,
         )
