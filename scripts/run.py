@@ -79,15 +79,18 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def cli(argv: list[str]) -> None:
     """Validate the whole command line, then hand it to Hydra."""
-    from eval.sweep import plan
+    from eval.sweep import multirun_notice, plan
 
     argv = hydra_argv(argv)
     try:
-        plan(argv)
+        jobs = plan(argv)
     except ConfigError as error:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
+    notice = multirun_notice(argv, len(jobs or []))
+    if notice:
+        print(notice, flush=True)
     sys.argv = [sys.argv[0], *argv]
     main()
 
