@@ -14,6 +14,7 @@ budget's table. The Markdown is also printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.measurements import table_measurements  # noqa: E402
-from centroidkv.methods import method_label, method_variant  # noqa: E402
+from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.dedup import drop_repeated_records  # noqa: E402
 from eval.machine_load import load_note  # noqa: E402
@@ -212,12 +213,26 @@ def load(paths: list[Path]) -> pd.DataFrame:
 
 def kv_ratio(df: pd.DataFrame) -> pd.Series:
     """Each record's measured KV ratio: `kv_budget_ratio` (bytes stored right after compression over
-    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it."""
+    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it. A
+    method that does not compress (the full cache) is its own reference: 1.0, not the 0.97 of a
+    prompt over prompt + max_new_tokens."""
     measured = pd.Series(np.nan, index=df.index, dtype=float)
     for column in ("kv_budget_ratio", "kv_ratio"):
         if column in df:
             measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
+    if "method" in df:
+        reference = df["method"].map(lambda name: not _compresses(str(name)))
+        measured[reference.astype(bool)] = 1.0
     return measured
+
+
+@functools.cache
+def _compresses(method: str) -> bool:
+    """Whether a registered method compresses; a method no longer installed counts as compressing."""
+    try:
+        return method_class(method).compresses
+    except ValueError:
+        return True
 
 
 def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None = None) -> pd.DataFrame:
