@@ -527,6 +527,13 @@ def split_words(df: pd.DataFrame) -> str:
     return f", {' and '.join(splits)} split{'s' if len(splits) > 1 else ''}{unknown}"
 
 
+# A comparison without the full cache says so: its scores have no reference beside them.
+MISSING_REFERENCE = (
+    ". Warning: no full-cache reference in these records (add full to methods=[...], or run it once "
+    "in this experiment)"
+)
+
+
 def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     """name -> (caption, table, digits) for every table the records allow: per benchmark, those its
     report asks for (`eval.benchmarks.benchmark_report`), then the speed table."""
@@ -548,6 +555,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             n_least = int(table["n"].min()) if table["n"].notna().any() else 0  # per row: the fewest samples
             warning = unresolved_words(n_least) if budgets else ""
             caption += f". Warning: {warning}" if warning else ""
+            caption += MISSING_REFERENCE if budgets and not (part["method"] == "full").any() else ""
             tier = top_tier(part, budget) if budgets else set()
             table.attrs["bold"] = {"Avg": tier}
             tables[f"{safe_name(bench)}_budget{budget:g}"] = (caption, table, 1)

@@ -40,3 +40,12 @@ def test_another_configuration_or_budget_of_the_same_sample_is_kept(tmp_path):
     write_job(tmp_path, "b", [record("b", "snapkv", 0.5, 0, 1.0, window_size=32)])
     write_job(tmp_path, "c", [record("c", "snapkv", 0.25, 0, 1.0, window_size=16)])
     assert len(tables.load([tmp_path])) == 3
+
+
+def test_a_comparison_without_the_full_cache_says_it_has_no_reference(tmp_path):
+    """Issue 40, item 5: a multirun over methods and budgets had no full-cache row, silently."""
+    write_job(tmp_path, "a", [record("a", "snapkv", 0.5, i, 1.0) for i in range(2)])
+    caption = tables.make_tables(tables.load([tmp_path]))["ruler_budget0.5"][0]
+    assert caption.endswith(tables.MISSING_REFERENCE.removeprefix(". "))
+    write_job(tmp_path, "b", [record("b", "full", 1.0, i, 1.0) for i in range(2)])
+    assert "full-cache reference" not in tables.make_tables(tables.load([tmp_path]))["ruler_budget0.5"][0]
