@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
-from centroidkv.model_names import EMBEDDED_MODEL, MODEL_NAMES, RANDOM_MODELS, parse_model_name
+from centroidkv.hub_probe import offline_unless_reachable
+from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, MODEL_NAMES, RANDOM_MODELS, parse_model_name
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 from centroidkv.schema import check_method_spec, config_schema
@@ -405,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.model in HUB_MODELS and offline_unless_reachable():  # seconds, not ~75 s of retries
+        print(
+            f"[hub] the Hub is unreachable or HF_HUB_OFFLINE is set: {args.model} loads from the local cache only",
+            file=sys.stderr,
+        )
     try:
         tokenizer = models.load_tokenizer(args.model)
     except (RuntimeError, OSError, ImportError, ValueError) as error:

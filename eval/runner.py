@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from centroidkv.errors import first_line
+from centroidkv.hub_probe import offline_unless_reachable
 from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
-from eval.hub import offline_unless_reachable
 from eval.machine_load import machine_load
 from eval.records import (
     JobError,
