@@ -6,7 +6,7 @@ PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
 MODEL   ?= smollm2-135m
 
-.PHONY: setup test lint bench throughput demo clean-venv
+.PHONY: setup test lint bench bench-decode bench-kmeans throughput demo clean-venv
 
 setup: $(STAMP)
 
@@ -28,12 +28,21 @@ lint: $(STAMP)
 	$(BIN)/ruff check centroidkv baselines eval scripts tests
 	$(BIN)/ruff format --check centroidkv baselines eval scripts tests
 
+# Every target that runs a script with options takes them in ARGS (e.g. make demo ARGS="--length 2048").
 demo: $(STAMP)
-	$(PYTHON) scripts/demo.py
+	$(PYTHON) scripts/demo.py $(ARGS)
 
+# ARGS go to bench_decode.py (e.g. ARGS="--lengths 1024"), KMEANS_ARGS to bench_kmeans.py; or run one
+# of them alone with ARGS: make bench-decode / make bench-kmeans.
 bench: $(STAMP)
-	$(PYTHON) scripts/bench_decode.py
-	$(PYTHON) scripts/bench_kmeans.py
+	$(PYTHON) scripts/bench_decode.py $(ARGS)
+	$(PYTHON) scripts/bench_kmeans.py $(KMEANS_ARGS)
+
+bench-decode: $(STAMP)
+	$(PYTHON) scripts/bench_decode.py $(ARGS)
+
+bench-kmeans: $(STAMP)
+	$(PYTHON) scripts/bench_kmeans.py $(ARGS)
 
 # Largest batch under a KV-memory cap and decode tokens/s per method (MODEL=..., ARGS="--length 4096").
 throughput: $(STAMP)

@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
 from centroidkv.files import file_problem, is_file, read_file_text
-from centroidkv.model_names import EMBEDDED_MODEL, RANDOM_MODELS, model_kind, parse_model_name
+from centroidkv.hub_probe import offline_unless_reachable
+from centroidkv.model_names import (
+    EMBEDDED_MODEL,
+    HUB_MODELS,
+    MODEL_NAMES,
+    RANDOM_MODELS,
+    model_kind,
+    parse_model_name,
+)
 from centroidkv.parsing import split_top_level
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 from centroidkv.schema import check_method_spec, config_schema
@@ -343,8 +351,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--budget", type=float, default=0.25, help="R, a fraction in (0, 1]")
     parser.add_argument("--budget-unit", choices=BUDGET_UNITS, default=DEFAULT_BUDGET_UNIT)
-    parser.add_argument("--model", default=EMBEDDED_MODEL)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--model",
+        default=EMBEDDED_MODEL,
+        help=f"one of {', '.join(MODEL_NAMES)} (random-*:N keeps N layers), a local folder saved with "
+        "save_pretrained, a .gguf file or a Hugging Face id",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens per answer")
     parser.add_argument(
         "--protocol",
         choices=PROTOCOLS,
@@ -412,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    hub = args.model in HUB_MODELS or model_kind(args.model) == "hub"
+    if hub and offline_unless_reachable():  # seconds, not ~75 s of retries
+        print(
+            f"[hub] the Hub is unreachable or HF_HUB_OFFLINE is set: {args.model} loads from the local cache only",
+            file=sys.stderr,
+        )
     try:
         tokenizer = models.load_tokenizer(args.model)
     except (RuntimeError, OSError, ImportError, ValueError) as error:

@@ -76,7 +76,7 @@ def build_schema() -> dict[str, Any]:
     Per method: `params`, its default parameters as a run records them (`Method.default_params`:
     Hydra's `method=<name>` node); `rules`, every parameter (the storage ones too) with its default
     and rule (`Method.rules`); `shorthand`, the parameter that `name:value` sets
-    (None: no such form)."""
+    (None: no such form); `compresses`, False for the full cache."""
     from centroidkv.methods import method_class, method_names
 
     methods = {}
@@ -86,6 +86,7 @@ def build_schema() -> dict[str, Any]:
             "params": cls.default_params(),
             "rules": cls.rules(),
             "shorthand": cls.shorthand,
+            "compresses": cls.compresses,
         }
     return {"models": list(MODEL_NAMES), "methods": methods}
 

@@ -172,6 +172,11 @@ class RecordsFile:
         return len(self.records) != self.n_lines
 
 
+def finished_message(job_dir: Path) -> str:
+    """The one line for a finished job that is skipped."""
+    return f"[skip] {job_dir} is finished (delete done.json or pass overwrite=true to rerun it)"
+
+
 def scan_records(path: Path, owner: dict[str, str] | None = None) -> RecordsFile:
     """Records of a jsonl file, de-duplicated by key (the last wins), and the lines dropped.
 

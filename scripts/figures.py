@@ -18,8 +18,8 @@ is named here):
                             schedule, chunk_size, ...), one panel per swept method, one line per budget.
 
 Every method has one colour and marker, the same in every figure of every experiment, taken from the
-method registry (`method_style`: its place among the registered names); the full cache is black with a
-star, in the legend like every drawn series. The variants or configurations of one method share its
+method's name alone (`method_style`: a stable hash of the name, so adding a method moves no other);
+the full cache is black with a star, in the legend like every drawn series. The variants or configurations of one method share its
 colour and marker and differ in line style and marker fill (`series_look`). Equal points stay
 visible: the score-vs-budget lines are dodged sideways, and in the score-vs-KV figure points at equal
 coordinates are spread a little along x (each figure says which). Titles name the benchmark by its
@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.files import replaced_atomically  # noqa: E402
-from centroidkv.methods import method_class, method_label, method_names, method_variant  # noqa: E402
+from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from eval.records import RECORDS  # noqa: E402
 from scripts.tables import (  # noqa: E402
@@ -73,6 +73,7 @@ COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1,
 PAIRS = [(COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]) for i in range(len(COLORS) * len(MARKERS))]
 FULL_COLORS = ("black", "dimgray", "darkgray")  # full-cache references (several when a row split)
 FULL_MARKER = "*"
+STYLE_SALT = "centroidkv-style:"  # see style_place
 # How the series of one method differ (its variants, configurations or budgets): the i-th one gets
 # the i-th line style and marker fill, so that even a single point tells them apart.
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -80,33 +81,26 @@ FILLSTYLES = ("full", "none", "left", "bottom", "right", "top")
 
 
 @functools.cache
-def method_slots() -> dict[str, int]:
-    """Each registered method that compresses -> its place among their names, sorted (`method_names`
-    of the registry, never a list copied here): its (colour, marker) pair is PAIRS[place], in every
-    figure of every experiment. The places change only when a method is registered or removed."""
-    names = sorted(name for name in method_names() if method_class(name).compresses)
-    return {name: place for place, name in enumerate(names)}
+def style_place(name: str) -> int:
+    """A method's (or wrapped variant's) place in PAIRS: a stable function of its name alone (a salted
+    SHA-1), so that registering or removing another method never moves it. The salt is the one that
+    gives the built-in methods nine different colours; a later method may share a pair with one of
+    them (1 in 198), and the legend names each."""
+    return int(hashlib.sha1((STYLE_SALT + name).encode()).hexdigest(), 16) % len(PAIRS)
 
 
 def method_style(method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The colour and marker of a method run, from the method's registration, the same in every
-    figure: the registered name's pair (`method_slots`). A wrapper names what it wraps
-    (`Method.variant_for`, e.g. kvpress-TOVA for kvpress's TOVAPress): each wrapped method gets a pair
-    no registered method has, chosen by a hash of that name (two of them may share one; the legend
-    names each). The full cache is black with a star.
+    """The colour and marker of a method run, the same in every figure: the pair at `style_place` of
+    the registered name, or of what a wrapper names (`Method.variant_for`, e.g. kvpress-TOVA for
+    kvpress's TOVAPress). The full cache is black with a star.
 
     The one place a series' colour and marker are chosen: a field that should change the marker
     (e.g. a KV precision) belongs here."""
     cls = _registered(method)
     if cls is not None and not cls.compresses:
         return dict(color=FULL_COLORS[0], marker=FULL_MARKER)
-    slots = method_slots()
     key = method_variant(method, params) if cls is not None else method
-    if key in slots:
-        return dict(zip(("color", "marker"), PAIRS[slots[key]], strict=True))
-    free = PAIRS[len(slots) :]
-    digest = int(hashlib.sha1(key.encode()).hexdigest(), 16)
-    return dict(zip(("color", "marker"), free[digest % len(free)], strict=True))
+    return dict(zip(("color", "marker"), PAIRS[style_place(key)], strict=True))
 
 
 def _registered(method: str):

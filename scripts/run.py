@@ -25,7 +25,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from eval.config import ConfigError, build_run_config, named_job, store_configs  # noqa: E402
+from eval.config import ConfigError, RunConfig, build_run_config, named_job, store_configs  # noqa: E402
 
 store_configs()  # method=<name> and benchmark=<name> for every registered one, from their dataclasses
 
@@ -40,9 +40,12 @@ def main(cfg: DictConfig) -> None:
             print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
     from eval.records import JobError
-    from eval.runner import config_yaml_of, run_job
 
     try:
+        if skipped_as_finished(run_cfg):
+            return
+        from eval.runner import config_yaml_of, run_job  # imports torch: only for a job that runs
+
         summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
     except JobError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -54,6 +57,19 @@ def main(cfg: DictConfig) -> None:
             + (f", {dropped} torn or corrupt lines dropped" if dropped else "")
             + ")"
         )
+
+
+def skipped_as_finished(run_cfg: RunConfig) -> bool:
+    """A finished job (its done.json) under the same identity is skipped before torch is imported
+    (the runner checks again under the job's lock); another identity raises the runner's JobError."""
+    from eval.records import JobStore, finished_message
+
+    store = JobStore(run_cfg.job_dir)
+    if run_cfg.overwrite or not store.finished:
+        return False
+    store.check_identity(run_cfg.identity())
+    print(finished_message(run_cfg.job_dir))
+    return True
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -75,15 +91,18 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def cli(argv: list[str]) -> None:
     """Validate the whole command line, then hand it to Hydra."""
-    from eval.sweep import plan
+    from eval.sweep import multirun_notice, plan
 
     argv = hydra_argv(argv)
     try:
-        plan(argv)
+        jobs = plan(argv)
     except ConfigError as error:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)
         sys.exit(2)
+    notice = multirun_notice(argv, len(jobs or []))
+    if notice:
+        print(notice, flush=True)
     sys.argv = [sys.argv[0], *argv]
     main()
 

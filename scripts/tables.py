@@ -14,6 +14,7 @@ budget's table. The Markdown is also printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -30,8 +31,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.measurements import table_measurements  # noqa: E402
-from centroidkv.methods import method_label, method_variant  # noqa: E402
+from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
+from eval.dedup import drop_repeated_records  # noqa: E402
+from eval.machine_load import load_note  # noqa: E402
 from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
 from scripts.latex import latex_escape  # noqa: E402
 
@@ -83,6 +86,10 @@ def row_identity(record: dict[str, Any], variant: str) -> dict[str, Any]:
         value = record.get(field_name)
         identity.setdefault(key, missing if value is None or value != value else value)
     return identity
+
+
+def _own_variant(record: dict[str, Any]) -> str:
+    return str(record.get("variant") or record.get("method"))
 
 
 def short_key_names(keys: list[str]) -> dict[str, str]:
@@ -142,7 +149,7 @@ def load(paths: list[Path]) -> pd.DataFrame:
     `methods`), the full cache first; `label_rank` orders labels the same way, the configurations of
     one entry by the values that tell them apart. Tables list rows, and figures pick styles, by it.
     """
-    records = list(iter_records(paths))
+    records = drop_repeated_records(iter_records(paths), lambda r: row_identity(r, _own_variant(r)))
     if not records:
         return pd.DataFrame()
     df = pd.DataFrame(records)
@@ -207,12 +214,26 @@ def load(paths: list[Path]) -> pd.DataFrame:
 
 def kv_ratio(df: pd.DataFrame) -> pd.Series:
     """Each record's measured KV ratio: `kv_budget_ratio` (bytes stored right after compression over
-    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it."""
+    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it. A
+    method that does not compress (the full cache) is its own reference: 1.0, not the 0.97 of a
+    prompt over prompt + max_new_tokens."""
     measured = pd.Series(np.nan, index=df.index, dtype=float)
     for column in ("kv_budget_ratio", "kv_ratio"):
         if column in df:
             measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
+    if "method" in df:
+        reference = df["method"].map(lambda name: not _compresses(str(name)))
+        measured[reference.astype(bool)] = 1.0
     return measured
+
+
+@functools.cache
+def _compresses(method: str) -> bool:
+    """Whether a registered method compresses; a method no longer installed counts as compressing."""
+    try:
+        return method_class(method).compresses
+    except ValueError:
+        return True
 
 
 def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None = None) -> pd.DataFrame:
@@ -506,6 +527,13 @@ def split_words(df: pd.DataFrame) -> str:
     return f", {' and '.join(splits)} split{'s' if len(splits) > 1 else ''}{unknown}"
 
 
+# A comparison without the full cache says so: its scores have no reference beside them.
+MISSING_REFERENCE = (
+    ". Warning: no full-cache reference in these records (add full to methods=[...], or run it once "
+    "in this experiment)"
+)
+
+
 def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     """name -> (caption, table, digits) for every table the records allow: per benchmark, those its
     report asks for (`eval.benchmarks.benchmark_report`), then the speed table."""
@@ -527,6 +555,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             n_least = int(table["n"].min()) if table["n"].notna().any() else 0  # per row: the fewest samples
             warning = unresolved_words(n_least) if budgets else ""
             caption += f". Warning: {warning}" if warning else ""
+            caption += MISSING_REFERENCE if budgets and not (part["method"] == "full").any() else ""
             tier = top_tier(part, budget) if budgets else set()
             table.attrs["bold"] = {"Avg": tier}
             tables[f"{safe_name(bench)}_budget{budget:g}"] = (caption, table, 1)
@@ -565,12 +594,14 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))
-        tables["measurements"] = (f"Mean of each measurement per record, {models}", measured, 2)
+        caption = f"Mean of each measurement per record, {models}{load_note(df.to_dict('records'))}"
+        tables["measurements"] = (caption, measured, 2)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
         tables["speed"] = (
-            f"Decoding time per token, time to first token and KV cache size, {models}",
+            f"Decoding time per token, time to first token and KV cache size, {models}"
+            + load_note(timed.to_dict("records")),
             speed_table(timed),
             2,
         )

@@ -71,9 +71,9 @@ def test_a_method_keeps_its_colour_and_marker_from_the_registry_in_every_experim
             for line in (a[label], b[label]):
                 assert to_rgba(line.get_color()) == to_rgba(expected["color"]), (name, label)
                 assert line.get_marker() == expected["marker"], (name, label)
-    # From the registry: every registered method that compresses has its own pair.
-    pairs = {tuple(figures.method_style(m).values()) for m in figures.method_slots()}
-    assert len(pairs) == len(figures.method_slots()) >= 9
+    # Every registered method that compresses has its own pair.
+    pairs = {tuple(figures.method_style(m).values()) for m in compressing_methods()}
+    assert len(pairs) == len(compressing_methods()) >= 9
     assert figures.method_style("full")["marker"] == "*"
 
 
@@ -147,3 +147,23 @@ def test_figures_go_next_to_their_results_unless_out_is_given(tmp_path, monkeypa
     assert figures.main([str(results / "exp_a"), "--out", str(tmp_path / "paper_figures")]) == 0
     assert (tmp_path / "paper_figures" / "exp_a_ruler_score_vs_kv.png").is_file()
     capsys.readouterr()
+
+
+def compressing_methods() -> list[str]:
+    from centroidkv.methods import method_class, method_names
+
+    return [name for name in method_names() if method_class(name).compresses]
+
+
+def test_adding_a_method_moves_no_other_methods_colour_or_marker(monkeypatch):
+    """Issue 40, item 3. Before: the pair was the place among the sorted registered names, so adding
+    `keynorm` turned SnapKV from an olive pentagon into a cyan plus."""
+    from centroidkv.methods import REGISTRY, method_class
+
+    before = {name: figures.method_style(name) for name in compressing_methods()}
+    for new_name in ("aaa_first", "keynorm", "mmm_middle"):
+        added = type(f"Added_{new_name}", (method_class("snapkv"),), {"name": new_name})
+        monkeypatch.setitem(REGISTRY, new_name, added)
+        assert new_name in compressing_methods()
+        after = {name: figures.method_style(name) for name in before}
+        assert after == before, new_name

@@ -57,7 +57,7 @@ def test_lists_each_job_with_its_counts_scores_and_status(tmp_path, capsys):
     assert job_folders(tmp_path) == [done, running, stopped]
     summary = summarize(done)
     assert (summary.n_ok, summary.n_failed) == (2, 1)
-    assert summary.mean_scores == {"full": 100.0, "centroidkv": 50.0, "snapkv": None}
+    assert summary.mean_scores == {"full": {1.0: 100.0}, "centroidkv": {0.25: 50.0}, "snapkv": {}}
     assert summary.methods == ["full", "centroidkv", "snapkv"] and summary.budgets == [0.25]
     assert summary.parameters == {
         "model": "smollm2-135m",
@@ -74,7 +74,7 @@ def test_lists_each_job_with_its_counts_scores_and_status(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["experiment", "job", "methods"]
     by_job = {line.split()[1]: line for line in lines[1:4]}
-    assert "full 100.0, centroidkv 50.0, snapkv -  " in by_job["budget=0.25-abc123"]
+    assert "full 100.0, centroidkv 50.0@0.25, snapkv -  " in by_job["budget=0.25-abc123"]
     assert by_job["budget=0.25-abc123"].split()[-4:] == ["0.25", "2", "1", "done"]
     assert "running (pid" in by_job["default"] and by_job["old"].endswith("stopped")
     assert lines[-1] == f"wandb sync {done / 'wandb' / 'offline-run-20260101_000000-abcd'}"
@@ -93,12 +93,32 @@ def test_a_job_mixing_the_full_cache_and_two_budgets_shows_each_methods_mean_and
     tmp_path, capsys
 ):
     """Before: one pooled "score 80.0" for full 100, centroidkv 100 and 100, snapkv 0 and 100, and
-    the budgets "0.25,0.5,1" with the full cache's reference run among them."""
-    records = [record("full", 1.0), record("centroidkv", 0.25), record("centroidkv", 0.5)]
+    the budgets "0.25,0.5,1" with the full cache's reference run among them; then (issue 40) one
+    mean over budgets, "snapkv 50.0", and the full cache listed where its first record came."""
+    records = [record("centroidkv", 0.25), record("full", 1.0), record("centroidkv", 0.5)]
     records += [record("snapkv", 0.25, score=0.0), record("snapkv", 0.5)]
     write_job(tmp_path / "ruler_small" / "job", records)
     assert main([str(tmp_path)]) == 0
     header, line = capsys.readouterr().out.splitlines()
     assert "score" not in header.replace("methods (mean score)", "")  # no pooled score column
-    assert "full 100.0, centroidkv 100.0, snapkv 50.0" in line
+    assert "full 100.0, centroidkv 100.0@0.25 100.0@0.5, snapkv 0.0@0.25 100.0@0.5" in line
     assert line.split()[-4:] == ["0.25,0.5", "5", "0", "stopped"]
+
+
+def test_the_lister_never_imports_torch_once_the_schema_is_cached(tmp_path):
+    """Issue 40, item 6. Before: `python -m eval.results` took 16 s, 10 of them importing torch for
+    the registry (which methods compress); now that comes from the cached torch-free schema."""
+    import subprocess
+    import sys
+
+    write_job(tmp_path / "exp" / "job", [record("full", 1.0), record("snapkv", 0.25, score=0.0)])
+    root = Path(__file__).resolve().parent.parent
+    warm = "from centroidkv.schema import config_schema; config_schema()"
+    subprocess.run([sys.executable, "-c", warm], cwd=root, check=True)
+    check = (
+        f"import sys; from eval.results import main; main([{str(tmp_path)!r}]); print('torch' in sys.modules)"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.splitlines()[-1] == "False" and "full 100.0, snapkv 0.0@0.25" in shown.stdout

@@ -112,7 +112,9 @@ def test_own_budgets_and_other_variants_keys_do_not_split(tmp_path):
     job(tmp_path, "c", two_methods(range(2)), IDENTITY, **{"methods.centroidkv.params.r_init": 0.5})
     rows = budget_table(tmp_path)
     assert list(rows) == ["Full cache", "CentroidKV (r_init=0.3)", "CentroidKV (r_init=0.5)"]
-    assert rows["Full cache"]["n"] == "10"
+    # a's and c's full-cache records are the same samples in the same configuration: counted once
+    # (issue 40, item 4; before, n was 10), plus b's two.
+    assert rows["Full cache"]["n"] == "6"
 
 
 def test_short_key_names_are_unambiguous():
@@ -147,7 +149,8 @@ def test_kv_column_is_the_mean_measured_ratio_and_captions_name_unit_and_split(t
     rows = budget_table(tmp_path)
     assert list(rows["CentroidKV"]) == ["S-NIAH-1", "VT", "Avg", "KV", "n", "failed"]
     assert rows["CentroidKV"]["KV"] == f"{(0.5 + 0.52 + 0.47 + 0.44) / 4:.2f}" == "0.48"
-    assert rows["Full cache"]["KV"] == "0.90"
+    # The full cache is its own reference (issue 40: it showed its 0.90 against prompt + new tokens).
+    assert rows["Full cache"]["KV"] == "1.00"
     caption = (tmp_path / "tables" / "ruler_budget0.5.md").read_text().splitlines()[0]
     assert "budget 0.5 in bytes" in caption and "dev split" in caption
 

@@ -1,0 +1,129 @@
+"""Compact records: the fields the tables need, gzipped, with the commit and command that made them,
+so that a reader can regenerate every table without rerunning anything.
+
+  python scripts/compact_records.py export results/<experiment> --command "make reproduce-ruler"
+      -> results/<experiment>/records.jsonl.gz (the default --out; a few KB per 100 records)
+  python scripts/compact_records.py tables results/<experiment>/records.jsonl.gz [--out DIR]
+      -> the tables of `scripts/tables.py` from the compact file alone (default DIR: beside it, tables/)
+
+The file's first line is {"compact": 1, "commit", "command", "identities": {experiment/job: the
+job's saved identity}}; each further line is one record with only COMPACT_FIELDS. `tables` expands
+it into job folders in a temporary directory and runs the same `write_tables` as `scripts/tables.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+
+from centroidkv.measurements import table_measurements  # noqa: E402
+from eval.records import CONFIG, KEY_FIELDS, RECORDS, iter_records  # noqa: E402
+
+# What tables and figures read besides the record key and the table measurements.
+TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_ratio", "kv_allocated_ratio",
+                "kv_ratio", "kv_masked", "split", "budget_unit", "protocol", "context_length", "depth",
+                "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
+COMPACT_FIELDS = tuple(dict.fromkeys((*KEY_FIELDS, *TABLE_FIELDS, *(m.name for m in table_measurements()))))
+FORMAT_VERSION = 1
+
+
+def _commit() -> str | None:
+    try:
+        found = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def export(paths: list[Path], out: Path, command: str) -> int:
+    """Write the compact file of the records under `paths`; returns the number of records."""
+    identities: dict[str, Any] = {}
+    lines = []
+    for record in iter_records(paths):
+        job = f"{record['experiment']}/{record['job']}"
+        identities.setdefault(job, record.get("_identity"))
+        lines.append(json.dumps({k: record[k] for k in COMPACT_FIELDS if k in record}, sort_keys=True))
+    header = {"compact": FORMAT_VERSION, "commit": _commit(), "command": command, "identities": identities}
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as handle:  # mtime 0: the same bytes again
+        handle.write(("\n".join([json.dumps(header, sort_keys=True), *lines]) + "\n").encode())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(buffer.getvalue())
+    return len(lines)
+
+
+def expand(compact: Path, folder: Path) -> list[Path]:
+    """The compact file as job folders under `folder` (<experiment>/<job>/records.jsonl + config.yaml
+    with the job's identity); returns the job folders. ValueError (one line) for a file not made by
+    `export`."""
+    with gzip.open(compact, "rt", encoding="utf-8") as handle:
+        header, *records = (json.loads(line) for line in handle if line.strip())
+    if not isinstance(header, dict) or header.get("compact") != FORMAT_VERSION:
+        raise ValueError(f"{compact} is not a compact records file (version {FORMAT_VERSION})")
+    by_job: dict[str, list[str]] = {}
+    for record in records:
+        by_job.setdefault(f"{record['experiment']}/{record['job']}", []).append(json.dumps(record) + "\n")
+    for job, lines in by_job.items():
+        job_dir = folder / job
+        job_dir.mkdir(parents=True)
+        (job_dir / RECORDS).write_text("".join(lines))
+        identity = header["identities"].get(job)
+        if identity is not None:
+            (job_dir / CONFIG).write_text(yaml.safe_dump({"identity": identity}, sort_keys=False))
+    return [folder / job for job in by_job]
+
+
+def tables_from_compact(compact: Path, out: Path) -> list[Path]:
+    """The tables of `scripts/tables.py` from the compact file alone."""
+    from scripts.tables import load_or_error, write_tables
+
+    with tempfile.TemporaryDirectory() as temporary:
+        expand(compact, Path(temporary))
+        df = load_or_error([Path(temporary)])
+        if isinstance(df, str):
+            raise ValueError(df)
+        return write_tables(df, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="action", required=True)
+    exporting = commands.add_parser("export", help="records under a folder -> a compact file")
+    exporting.add_argument("path", type=Path)
+    exporting.add_argument("--out", type=Path, help="default: <path>/records.jsonl.gz")
+    exporting.add_argument("--command", required=True, help="the command that produced the records")
+    tabling = commands.add_parser("tables", help="a compact file -> the tables")
+    tabling.add_argument("compact", type=Path)
+    tabling.add_argument("--out", type=Path, help="default: <compact's folder>/tables")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "export":
+            out = args.out or args.path / "records.jsonl.gz"
+            print(f"[compact] {export([args.path], out, args.command)} records -> {out}")
+        else:
+            written = tables_from_compact(args.compact, args.out or args.compact.parent / "tables")
+            print(f"[tables] {len(written)} files from {args.compact}")
+    except (OSError, ValueError, KeyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
