@@ -426,11 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     hub = args.model in HUB_MODELS or model_kind(args.model) == "hub"
-    if hub and offline_unless_reachable():  # seconds, not ~75 s of retries
-        print(
-            f"[hub] the Hub is unreachable or HF_HUB_OFFLINE is set: {args.model} loads from the local cache only",
-            file=sys.stderr,
-        )
+    if hub:  # offline when the Hub does not answer within seconds, not after ~75 s of retries; the
+        offline_unless_reachable()  # loader's own line then says it is offline
     try:
         tokenizer = models.load_tokenizer(args.model)
     except (RuntimeError, OSError, ImportError, ValueError) as error:

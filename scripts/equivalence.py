@@ -35,6 +35,8 @@ MEASURED_FIELDS = (
     "peak_mem",
     "peak_mem_kind",
     "traceback",
+    "load_1min",  # the machine's load while the record was made
+    "n_cores",
 )
 NATIVE_METHODS = "[full,centroidkv,streaming_llm,h2o,snapkv,pyramidkv,kmeans,cam]"
 LONGBENCH_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "longbench"

@@ -61,7 +61,8 @@ def test_generate_help_shows_the_defaults_and_the_model_names():
     ).stdout
     flat = " ".join(shown.split())
     assert f"(default: {EMBEDDED_MODEL})" in flat and "(default: 64)" in flat
-    assert all(name in flat for name in MODEL_NAMES)
+    unwrapped = "".join(shown.split())  # argparse may wrap a name at its hyphen
+    assert all(name in unwrapped for name in MODEL_NAMES)
 
 
 def test_a_multirun_over_methods_or_budgets_says_first_that_each_job_prefills_again():
@@ -88,6 +89,5 @@ def test_an_unreachable_hub_is_found_in_seconds_by_generate(tmp_path):
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert shown.returncode != 0 and time.monotonic() - started < 60, shown.stderr
-    assert "[hub] the Hub is unreachable" in shown.stderr and shown.stderr.strip().splitlines()[
-        -1
-    ].startswith("error:")
+    lines = shown.stderr.strip().splitlines()  # one line, which says the Hub is not there
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Hugging Face Hub" in lines[0], lines

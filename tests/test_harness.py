@@ -399,8 +399,9 @@ def test_tables_from_fixture(tmp_path):
     rows = {
         line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in md.splitlines()[3:]
     }
-    # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, KV (no measured ratio: -), n, failed.
-    assert rows["Full cache"] == ["100.0", "100.0", "100.0", "-", "4", "0"]
+    # Hand-computed from the fixture: columns S-NIAH-1, VT, Avg, KV (no measured ratio: -; the full
+    # cache is 1.00 of its own reference), n, failed.
+    assert rows["Full cache"] == ["100.0", "100.0", "100.0", "1.00", "4", "0"]
     # Only Avg is bolded, for every compressing method level with the best (P < 0.9 by the paired
     # bootstrap): 50.0 vs 37.5 on 4 samples is not resolved, so both are.
     assert rows["CentroidKV"] == ["50.0", "50.0", "**50.0**", "-", "4", "0"]

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ["model=tiny-llama", "benchmark=ruler", "benchmark.tasks=[niah_single_1]", "benchmark.lengths=[1024]",
          "benchmark.n_samples=1", "benchmark.max_new_tokens=4", "methods=[full,centroidkv]",
          "method.budget=0.25,0.5", "logger=none", "warmup=false", "experiment_name=sweep"]  # fmt: skip
-TIMING = ("ttft", "tpot", "prefill_s", "compress_s", "feed_s", "decode_s", "peak_mem")
+# what depends on the moment a record is made: timings and the machine load they were measured under
+TIMING = ("ttft", "tpot", "prefill_s", "compress_s", "feed_s", "decode_s", "peak_mem", "load_1min", "n_cores")
 
 
 def sweep(results: Path, *launcher: str) -> dict[str, list[dict]]:
