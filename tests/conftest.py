@@ -31,3 +31,14 @@ def tiny_model(request):
 def embedded():
     """The embedded SmolLM2-135M (converted once from the GGUF, then cached)."""
     return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """`centroidkv.models.load_model` fails the test if anything calls it."""
+    import centroidkv.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(centroidkv.models, "load_model", no_loading)

@@ -183,14 +183,6 @@ def test_records_copied_from_another_job_are_refused_on_resume_and_skipped_by_ta
 
 
 # ------------------------------------------------------- D4, D5, D9. generate: one line, before loading
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def no_loading(*args, **kwargs):
-        raise AssertionError("the model must not load")
-
-    monkeypatch.setattr(centroidkv.models, "load_model", no_loading)
-
-
 def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

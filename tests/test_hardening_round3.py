@@ -35,18 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LONG = "x" * 300  # over NAME_MAX (255 bytes): Path(LONG).is_file() raises ENAMETOOLONG
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def no_loading(*args, **kwargs):
-        raise AssertionError("the model must not load")
-
-    monkeypatch.setattr(centroidkv.models, "load_model", no_loading)
-
-
-def one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
+from test_hardening_round2 import one_error_line  # noqa: E402
 
 
 # ------------------------------------------------------------------ S2. atomic writes, O_EXCL

@@ -50,23 +50,12 @@ def test_readme_python_snippets_run(capsys):
 def test_readme_own_model_snippet_runs_on_a_folder_saved_with_save_pretrained(tmp_path, monkeypatch, capsys):
     """The "your own model" block, verbatim, on a small random Llama saved with the embedded tokenizer
     into ./my-model: plain `from_pretrained`, `prepare_model`, a CompressedCache in `generate`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_any_model import save_small_model
 
     from centroidkv.models import load_tokenizer
 
-    tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "my-model")
-    tokenizer.save_pretrained(tmp_path / "my-model")
+    save_small_model(tmp_path / "my-model", load_tokenizer("smollm2-135m"))
     monkeypatch.chdir(tmp_path)
     own_model = python_blocks()[2]
     assert 'folder = "my-model"' in own_model
