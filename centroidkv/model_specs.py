@@ -139,6 +139,7 @@ def known_config(name: str) -> dict | None:
             wheel = WHEEL_MODELS[base]
             return {
                 "num_hidden_layers": wheel.n_layers,
+                "num_attention_heads": wheel.n_query_heads,
                 "num_key_value_heads": wheel.n_kv_heads,
                 "max_position_embeddings": wheel.positions,
             }

@@ -37,8 +37,8 @@ class WheelModel:
       storage_dtype: the dtype of the converted safetensors ("float32" or "bfloat16").
       eos_token / pad_token: the tokenizer's end-of-turn and padding tokens as the original ships
         them (a GGUF conversion may name others); `add_bos_token` likewise.
-      n_layers, n_kv_heads, positions: its shape and `max_position_embeddings` (its config), known
-        before anything is installed.
+      n_layers, n_query_heads, n_kv_heads, positions: its shape and `max_position_embeddings` (its
+        config), known before anything is installed.
       about: what the model is, for messages and docs.
     """
 
@@ -50,6 +50,7 @@ class WheelModel:
     pad_token: str
     add_bos_token: bool
     n_layers: int
+    n_query_heads: int
     n_kv_heads: int
     positions: int
     about: str
@@ -70,6 +71,7 @@ WHEEL_MODELS = {
         pad_token="<|im_end|>",
         add_bos_token=False,
         n_layers=30,
+        n_query_heads=9,
         n_kv_heads=3,
         positions=8192,
         about="SmolLM2-135M-Instruct, Q4_1 (30 layers, 9 query / 3 KV heads, 8,192 positions)",
@@ -83,6 +85,7 @@ WHEEL_MODELS = {
         pad_token="<|endoftext|>",
         add_bos_token=False,
         n_layers=24,
+        n_query_heads=14,
         n_kv_heads=2,
         positions=32768,
         about="Qwen2.5-Coder-0.5B-Instruct, AWQ re-quantised to Q4_K_M (24 layers, 14 query / 2 KV "
@@ -97,6 +100,7 @@ WHEEL_MODELS = {
         pad_token="<|endoftext|>",
         add_bos_token=False,
         n_layers=28,
+        n_query_heads=12,
         n_kv_heads=2,
         positions=32768,
         about="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (28 layers, 12 query / 2 KV heads, head dim 128, "
@@ -111,6 +115,7 @@ WHEEL_MODELS = {
         pad_token="<pad>",
         add_bos_token=True,
         n_layers=18,
+        n_query_heads=4,
         n_kv_heads=1,
         positions=32768,
         about="Gemma 3 270M base, Q4_K_M: hybrid attention, 15 of 18 layers a 512-token window "

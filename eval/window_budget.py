@@ -8,27 +8,21 @@ record would then fail at its first compression.
 
 from __future__ import annotations
 
-from centroidkv.model_names import EMBEDDED_MODEL, TINY_MODELS, parse_model_name
 from centroidkv.needs import RECORDERS
-
-EMBEDDED_QUERY_GROUP = 3  # SmolLM2-135M: 9 query heads per 3 KV heads (its config.json)
 
 
 def query_group(model_name: str) -> int:
-    """Query heads per KV head of a named model, known without loading it; 1 when unknown (the
-    smallest: a check built on it never refuses a budget that fits)."""
-    from centroidkv.model_specs import PAPER_CONFIGS, tiny_config
+    """Query heads per KV head of a model, from its configuration where that is known without loading
+    it (`centroidkv.model_specs.known_config`); 1 when unknown (the smallest: a check built on it never
+    refuses a budget that fits)."""
+    from centroidkv.model_specs import known_config
 
-    base, _ = parse_model_name(model_name)
-    if base == EMBEDDED_MODEL:
-        return EMBEDDED_QUERY_GROUP
-    if base in PAPER_CONFIGS:
-        values = PAPER_CONFIGS[base][2]
-        return values["num_attention_heads"] // values["num_key_value_heads"]
-    if base in TINY_MODELS:
-        config = tiny_config(base)
-        return config.num_attention_heads // config.num_key_value_heads
-    return 1
+    config = known_config(model_name) or {}
+    query_heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or query_heads
+    if not isinstance(query_heads, int) or not isinstance(kv_heads, int) or kv_heads <= 0:
+        return 1
+    return max(1, query_heads // kv_heads)
 
 
 def window_budget_error(method, model_name: str, budget: float, full_len: int) -> str | None:

@@ -32,9 +32,9 @@ from centroidkv.measurements import table_measurements  # noqa: E402
 from eval.records import CONFIG, KEY_FIELDS, RECORDS, iter_records  # noqa: E402
 
 # What tables and figures read besides the record key and the table measurements.
-TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_ratio", "kv_allocated_ratio",
-                "kv_ratio", "kv_masked", "split", "budget_unit", "protocol", "context_length", "depth",
-                "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
+TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_ratio", "kv_final_ratio",
+                "kept_every_token", "kv_allocated_ratio", "kv_ratio", "kv_masked", "split", "budget_unit",
+                "protocol", "context_length", "depth", "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
 COMPACT_FIELDS = tuple(dict.fromkeys((*KEY_FIELDS, *TABLE_FIELDS, *(m.name for m in table_measurements()))))
 FORMAT_VERSION = 1
 

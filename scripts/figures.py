@@ -9,7 +9,7 @@ is named here):
   <benchmark>_accuracy_vs_budget  average score vs budget per method (full cache dashed);
   <benchmark>_accuracy_by_family  the same per task family (when the report has families and the
                             records hold two of them or more);
-  <benchmark>_score_vs_kv   average score vs the measured KV ratio (kv_budget_ratio), one line per
+  <benchmark>_score_vs_kv   average score vs the measured KV ratio (tables.kv_ratio), one line per
                             method or variant, one point per budget: the Pareto view;
   <benchmark>_heatmap       score by needle depth x context length, one panel per method@budget (when
                             the report asks for it);
@@ -431,8 +431,8 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     """Per benchmark: the average score against the measured KV ratio (the Pareto view).
 
     One line per method or variant through its budgets, each point the average over tasks of the
-    per-task means (only points that have every task) at the mean measured `kv_budget_ratio` (or
-    `kv_ratio` in older records); the full cache is a dashed reference line through its own star,
+    per-task means (only points that have every task) at the mean measured KV ratio
+    (`tables.kv_ratio`: what the cache held at the end of the decode); the full cache is a dashed reference line through its own star,
     one legend entry for both. Points that would hide each other (equal ratio and score) are spread
     SPREAD apart along x around their true ratio (`spread_coinciding`), and the figure says so.
     When runs store their entries at several precisions (labels "CentroidKV @int8", `precision_suffix`),

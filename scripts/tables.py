@@ -213,12 +213,14 @@ def load(paths: list[Path]) -> pd.DataFrame:
 
 
 def kv_ratio(df: pd.DataFrame) -> pd.Series:
-    """Each record's measured KV ratio: `kv_budget_ratio` (bytes stored right after compression over
-    a full cache of n + max_new_tokens tokens), or the older `kv_ratio` when a record lacks it. A
-    method that does not compress (the full cache) is its own reference: 1.0, not the 0.97 of a
-    prompt over prompt + max_new_tokens."""
+    """Each record's measured KV ratio over a full cache of n + max_new_tokens tokens: what the cache
+    held at the end of the decode (`kv_final_ratio`: a packed store's bytes fall when its residual is
+    packed, a 16-bit one's grow between compressions, so this is what two methods really held), else
+    right after compression (`kv_budget_ratio`, older records), else the oldest `kv_ratio`. A method
+    that does not compress (the full cache) is its own reference: 1.0, not the 0.97 of a prompt over
+    prompt + max_new_tokens."""
     measured = pd.Series(np.nan, index=df.index, dtype=float)
-    for column in ("kv_budget_ratio", "kv_ratio"):
+    for column in ("kv_final_ratio", "kv_budget_ratio", "kv_ratio"):
         if column in df:
             measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
     if "method" in df:
@@ -238,7 +240,8 @@ def _compresses(method: str) -> bool:
 
 def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None = None) -> pd.DataFrame:
     """Methods x tasks mean score at `budget` (the full cache as reference), with Avg, the measured
-    KV ratio (KV: mean kv_budget_ratio of the row's successful samples) and the sample counts.
+    KV ratio (KV: the mean `kv_ratio` of the row's successful samples), the samples on which a method
+    kept every token (`kept all`, only when there are any) and the sample counts.
     `names`: a column header per task, in column order; other tasks follow, sorted, by their names."""
     rows = df[(df["budget"] == budget) | (df["method"] == "full")]
     ok = rows[rows["ok"]]
@@ -249,6 +252,10 @@ def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None
     table = table[tasks]
     table["Avg"] = table.mean(axis=1, skipna=False)
     table["KV"] = kv_ratio(ok).groupby(ok["label"]).mean()
+    kept_all = ok["kept_every_token"].eq(True) if "kept_every_token" in ok else None  # None: full cache
+    if kept_all is not None and kept_all.any():
+        # samples on which the budget exceeded what the method could spend: R bought no compression
+        table["kept all"] = kept_all.groupby(ok["label"]).sum().reindex(table.index).fillna(0).astype(int)
     table["n"] = ok.groupby("label").size()
     table["failed"] = rows[~rows["ok"]].groupby("label").size().reindex(table.index).fillna(0).astype(int)
     order = rows.drop_duplicates("label").sort_values("label_rank")["label"]
@@ -439,7 +446,7 @@ def _fmt(value, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-COUNT_COLUMNS = {"n", "failed", "Rank", "samples"}
+COUNT_COLUMNS = {"n", "failed", "kept all", "Rank", "samples"}
 # Columns with their own number of digits.
 COLUMN_DIGITS = {"KV": 2}
 

@@ -304,6 +304,15 @@ def test_a_budget_snapkvs_query_window_alone_exceeds_is_refused_naming_the_windo
     run_cfg(tmp_path, [*NIAH_1024, "methods=[snapkv]", "budgets=[0.1]"])  # room left: accepted
 
 
+def test_the_query_window_is_counted_with_the_models_own_query_group(tmp_path):
+    """Qwen2.5-0.5B has 7 query heads per KV head (SmolLM2 3): SnapKV's 32 stored queries take 10.9 %
+    of a 1024-token full cache there, so 0.1 is refused on Qwen and accepted on SmolLM2. Before, the
+    group of any model but SmolLM2 and the random ones was taken as 1, and Qwen's records failed."""
+    qwen = ["model=qwen2.5-0.5b", *NIAH_1024[1:], "methods=[snapkv]", "budgets=[0.1]"]
+    line = config_error_line(tmp_path, qwen)
+    assert "7 query heads per KV head" in line and "10.9%" in line
+
+
 def test_heads_budget_favouring_every_head_is_one_line_before_loading(tmp_path):
     """Before: validation passed, then every record kept 0 entries."""
     method = "methods=[{name:h2o,params:{heads:budget,heads_fraction:1,heads_boost:1000}}]"

@@ -155,6 +155,20 @@ def test_kv_column_is_the_mean_measured_ratio_and_captions_name_unit_and_split(t
     assert "budget 0.5 in bytes" in caption and "dev split" in caption
 
 
+def test_kv_column_is_what_the_cache_held_at_the_end_and_kept_all_is_counted(tmp_path):
+    """Issue 39 M1: an int4 store ends under what it held after compression (its residual is packed)
+    while a 16-bit one ends over it; the KV column compares what each held at the end, and samples
+    on which a method kept every token (its budget bought no compression) are counted."""
+    records = two_methods(range(2), budget_unit="bytes")
+    for r in records:
+        if r["method"] == "centroidkv":
+            r.update(kv_budget_ratio=0.125, kv_final_ratio=0.114, kept_every_token=r["task"] == "vt")
+    job(tmp_path, "a", records, IDENTITY)
+    rows = budget_table(tmp_path)
+    assert rows["CentroidKV"]["KV"] == "0.11"  # not the 0.12 right after compression
+    assert rows["CentroidKV"]["kept all"] == "2" and rows["Full cache"]["kept all"] == "0"
+
+
 def test_kv_column_without_measurement_shows_a_dash(tmp_path):
     job(tmp_path, "a", two_methods(range(1)), IDENTITY)
     assert budget_table(tmp_path)["CentroidKV"]["KV"] == "-"
