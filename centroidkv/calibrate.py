@@ -35,15 +35,14 @@ from __future__ import annotations
 # use it.
 import hashlib
 import json
-import math
 import os
 import shlex
 import sys
-from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from centroidkv.files import is_file, read_file_text, write_atomic
+from centroidkv.parsing import is_number
 
 if TYPE_CHECKING:
     pass
@@ -123,10 +122,6 @@ def head_file_identity(path: Path) -> str:
     return f"{where} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -152,7 +147,7 @@ def read_head_file(path: str | Path) -> dict:
     if missing:
         raise ValueError(f"heads_file {path} lacks {', '.join(missing)}")
     wrong = [key for key in ("n_layers", "n_kv_heads") if not _is_count(data[key])]
-    wrong += [key for key in ("budget", "fraction") if not _is_number(data[key])]
+    wrong += [key for key in ("budget", "fraction") if not is_number(data[key], finite=True)]
     wrong += [key for key in ("model",) if not isinstance(data[key], str)]
     wrong += [key for key in ("outliers",) if not isinstance(data[key], list)]
     if wrong:
@@ -165,7 +160,7 @@ def read_head_file(path: str | Path) -> dict:
         not isinstance(errors, list)
         or len(errors) != data["n_layers"]
         or any(not isinstance(row, list) or len(row) != data["n_kv_heads"] for row in errors)
-        or not all(_is_number(error) for row in errors for error in row)
+        or not all(is_number(error, finite=True) for row in errors for error in row)
     ):
         raise ValueError(
             f"heads_file {path}: errors must be an n_layers x n_kv_heads "

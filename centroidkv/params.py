@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from centroidkv.parsing import is_number
+
 RULE_KEY = "centroidkv.rule"  # where a field's rule lives in its metadata
 HINT_CUTOFF = 0.8  # difflib ratio above which a near-miss gets "did you mean ...?" (as for keys)
 
@@ -200,15 +202,11 @@ def relation_errors(method_name: str, values: dict[str, Any], rules: dict[str, d
     for key, rule in rules.items():
         other = rule.get("at_most")
         value, bound = values.get(key), values.get(other)
-        if other is None or not all(_is_number(v) for v in (value, bound)) or value <= bound:
+        if other is None or not all(is_number(v) for v in (value, bound)) or value <= bound:
             continue
         reason = f" ({rule['reason']})" if rule.get("reason") else ""
         errors.append(f"{method_name}: {key} ({value}) must not exceed {other} ({bound}){reason}")
     return errors
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def check_param(method_name: str, field_name: str, value: Any, rule: dict[str, Any]) -> None:

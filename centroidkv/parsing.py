@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import ast
+import math
 import re
+from numbers import Real
 from typing import Any
 
 # `name`, `name:value` or `name(key=value, ...)` (`parse_method_spec`)
 METHOD_SPEC = re.compile(r"([A-Za-z0-9_.-]+)(?::(.+)|\((.*)\))?", flags=re.S)
+
+
+def is_number(value: Any, finite: bool = False) -> bool:
+    """Whether `value` is a real number (not a bool, not NaN); finite: not an infinity either."""
+    if not isinstance(value, Real) or isinstance(value, bool) or value != value:
+        return False
+    return not finite or math.isfinite(value)
 
 
 def split_top_level(text: str) -> list[str]:

@@ -21,12 +21,6 @@ def resolve_tokenizer(tokenizer: Tokenizer | str) -> Tokenizer:
     return tokenizer
 
 
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, or its type name when it has none."""
-    lines = str(error).strip().splitlines()
-    return f"{lines[0]} ({type(error).__name__})" if lines else type(error).__name__
-
-
 @contextmanager
 def quiet_hub() -> Iterator[None]:
     """Silence the retry warnings of huggingface_hub/datasets, so that a failed download says one line."""

@@ -220,12 +220,9 @@ class RunConfig:
 
 
 # Job folder names: <benchmark>-<method or N methods>-<budgets>-<hash of the override string>
-# (`job_name`); the names of earlier versions (`former_job_names`) are still found, so their jobs resume.
+# (`job_name`). Folders named the ways of versions before 2026-12 are not resumed (a new folder starts).
 JOB_HASH_CHARS = 6
 JOB_PART_CHARS = 40  # a variant's name or the budgets, cut past this (the hash tells them apart)
-JOB_KEY_PREFIXES = ("method.params.", "benchmark.", "method.")  # dropped from keys where unambiguous
-JOB_VALUE_CHARS = 24  # longer values are cut (the hash still tells them apart)
-JOB_READABLE_CHARS = 80
 
 
 def split_overrides(override_dirname: str) -> list[str]:
@@ -271,62 +268,17 @@ def _references(methods: tuple[MethodSpec, ...]) -> set[str]:
     return {spec.variant for spec in methods if not method_class(spec.name).compresses}
 
 
-def former_job_names(override_dirname: str) -> list[str]:
-    """The folder names the same overrides had in earlier versions, newest first: the key=value form
-    (`job_name_from_overrides`), then the override string itself (`former_job_name`)."""
-    return list(dict.fromkeys([job_name_from_overrides(override_dirname), former_job_name(override_dirname)]))
-
-
 def named_job(cfg: RunConfig, override_dirname: str) -> RunConfig:
     """`cfg` named by its overrides (`job_name`), in its experiment's folder, with the overrides kept
-    (`RunConfig.overrides`, saved in config.yaml). When no folder of that name exists but one of a
-    former name does (`former_job_names`), the job keeps that folder and its name: its results stay
-    where they are and the job resumes."""
+    (`RunConfig.overrides`, saved in config.yaml)."""
     name = job_name(cfg.benchmark.name, cfg.methods, override_dirname)
     experiment_dir = cfg.job_dir.parent
-    if not (experiment_dir / name).exists():
-        name = next((n for n in former_job_names(override_dirname) if (experiment_dir / n).is_dir()), name)
     return replace(
         cfg,
         job=name,
         job_dir=experiment_dir / name,
         overrides=tuple(split_overrides(override_dirname.strip())),
     )
-
-
-def job_name_from_overrides(override_dirname: str) -> str:
-    """The folder name jobs had before `job_name` (a former name, `former_job_names`): `default`
-    without overrides; otherwise the overrides as short key=value pairs plus a hash of the whole
-    override string, e.g. `schedule=linear,budget=0.25-3f2a9c`.
-
-    Keys lose the `method.params.`, `benchmark.` and `method.` prefixes unless two keys would then
-    read the same; values are made filesystem-safe and cut at JOB_VALUE_CHARS, the pairs at
-    JOB_READABLE_CHARS. The hash covers the full string, so the name is unique and the same
-    overrides always give the same name; the full identity is in the folder's config.yaml.
-    """
-    overrides = split_overrides(override_dirname.strip())
-    if not overrides:
-        return "default"
-    pairs = [override.lstrip("+~").partition("=")[::2] for override in overrides]
-    shorts = []
-    for key, _ in pairs:
-        prefix = next((p for p in JOB_KEY_PREFIXES if key.startswith(p) and len(key) > len(p)), "")
-        shorts.append(key[len(prefix) :])
-    keys = [short if shorts.count(short) == 1 else key for short, (key, _) in zip(shorts, pairs)]
-    readable = ",".join(
-        f"{_safe(key)}={_safe(value)[:JOB_VALUE_CHARS]}" for key, (_, value) in zip(keys, pairs)
-    )
-    readable = readable[:JOB_READABLE_CHARS].rstrip(",=.") or "job"
-    return f"{readable}-{override_hash(override_dirname)}"
-
-
-def former_job_name(override_dirname: str) -> str:
-    """The folder name the same overrides had before readable names (the override string itself,
-    cut with a hash past 150 characters): a former name (`former_job_names`), still resumed."""
-    name = re.sub(r"[^A-Za-z0-9=,._@+-]", "_", override_dirname.strip())
-    if len(name) > 150:
-        name = f"{name[:130]}-{hashlib.sha1(name.encode()).hexdigest()[:12]}"
-    return name or "default"
 
 
 DEFAULT_BUDGET = (

@@ -57,6 +57,15 @@ class Evaluator:
         fold = [[t % self.vocab for t in part] for part in (head, tail, context, question)]
         return Prompt(*fold, protocol=CONTEXT_ONLY if self.benchmark.context_only else FULL_PROMPT)
 
+    def warm_up(self) -> None:
+        """One short untimed run of every method (variants once each), through the sample's own code
+        path, so one-time costs stay out of the timings. A method that cannot run on a 200-token prompt
+        fails here without a word (`run` returns its error as an outcome, which is dropped); the
+        samples' own runs record it."""
+        head = list(range(10, 10 + 200))
+        one_per_variant = list({spec.variant: spec for spec in self.specs}.values())
+        self.run_prompt(Prompt(head, [], head, []), one_per_variant, 4, self.eos)
+
     def run_prompt(
         self, prompt: Prompt, specs: list[MethodSpec], max_new_tokens: int, eos: set[int]
     ) -> list[Outcome]:
@@ -143,15 +152,3 @@ class Evaluator:
             "traceback": "".join(traceback.format_exception(error, limit=5)),
             "score": None,
         }
-
-
-def warm_up(evaluator: Evaluator) -> None:
-    """One short untimed run of every method (variants once each), through the sample's own code path,
-    so one-time costs stay out of the timings; a method that cannot run on a 200-token prompt fails
-    here silently (and is recorded later)."""
-    head = list(range(10, 10 + 200))
-    one_per_variant = list({spec.variant: spec for spec in evaluator.specs}.values())
-    try:
-        evaluator.run_prompt(Prompt(head, [], head, []), one_per_variant, 4, evaluator.eos)
-    except Exception:
-        pass

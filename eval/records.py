@@ -46,6 +46,7 @@ from omegaconf import OmegaConf
 
 from centroidkv.errors import first_line
 from centroidkv.files import write_atomic
+from centroidkv.parsing import is_number
 
 RECORDS = "records.jsonl"
 DONE = "done.json"
@@ -91,25 +92,21 @@ class JobMismatch(JobError):
     exit_code = 2
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 # field -> (what it must be, the check); a field that is absent or null is not checked, except the
 # required ones, whose presence `REQUIRED_FIELDS` demands.
 FIELD_TYPES: dict[str, tuple[str, Any]] = {
     "benchmark": ("a string", lambda v: isinstance(v, str)),
-    "sample_id": ("a string or an integer", lambda v: isinstance(v, str) or _is_number(v)),
+    "sample_id": ("a string or an integer", lambda v: isinstance(v, str) or is_number(v)),
     "method": ("a string", lambda v: isinstance(v, str)),
     "variant": ("a string", lambda v: isinstance(v, str)),
     "task": ("a string", lambda v: isinstance(v, str)),
     "status": ("a string", lambda v: isinstance(v, str)),
-    "budget": ("a number", _is_number),
-    "length": ("a number", _is_number),
+    "budget": ("a number", is_number),
+    "length": ("a number", is_number),
     "params": ("a mapping", lambda v: isinstance(v, dict)),
-    "score": ("a number", _is_number),
+    "score": ("a number", is_number),
     **{
-        name: ("a number", _is_number) for name in ("tpot", "ttft", "kv_bytes", "kv_ratio")
+        name: ("a number", is_number) for name in ("tpot", "ttft", "kv_bytes", "kv_ratio")
     },  # tables read them
     **{name: ("a string", lambda v: isinstance(v, str)) for name in OWNER_FIELDS},
 }
@@ -301,14 +298,25 @@ def describe_foreign(records: list[dict[str, Any]], owner: dict[str, str]) -> st
     return ", ".join(f"{key} {_short(str(value))}" for key, value in differing.items())
 
 
-def differing_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+ABSENT_VALUE = "<absent>"  # what a key missing from an identity compares and prints as
+
+
+def differing_keys(identities: list[dict[str, Any]]) -> list[str]:
+    """The keys whose value is not the same in every identity (absent counts as a value), sorted."""
+    keys = sorted(set().union(*identities))
+    return [
+        key
+        for key in keys
+        if len({json.dumps(i.get(key, ABSENT_VALUE), sort_keys=True, default=str) for i in identities}) > 1
+    ]
+
+
+def identity_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every key whose value differs between two identities."""
-    lines = []
-    for key in sorted(set(saved) | set(new)):
-        old, now = saved.get(key, "<absent>"), new.get(key, "<absent>")
-        if json.dumps(old, sort_keys=True, default=str) != json.dumps(now, sort_keys=True, default=str):
-            lines.append(f"{key}: {_short(old)} -> {_short(now)}")
-    return lines
+    return [
+        f"{key}: {_short(saved.get(key, ABSENT_VALUE))} -> {_short(new.get(key, ABSENT_VALUE))}"
+        for key in differing_keys([saved, new])
+    ]
 
 
 def _short(value: Any) -> str:
@@ -459,7 +467,7 @@ class JobStore:
                 f"{self.dir} holds results without a saved identity ({why}): pass overwrite=true "
                 "(--force) to start the job again, or choose another experiment_name"
             )
-        differing = differing_keys(saved, identity)
+        differing = identity_changes(saved, identity)
         if differing:
             shown = "; ".join(differing[:6]) + (f"; +{len(differing) - 6} more" if len(differing) > 6 else "")
             raise JobMismatch(

@@ -23,7 +23,7 @@ from centroidkv.errors import first_line
 from centroidkv.hub_probe import offline_unless_reachable
 from centroidkv.measurements import table_measurements
 from eval.config import RunConfig
-from eval.evaluate import Evaluator, warm_up
+from eval.evaluate import Evaluator
 from eval.machine_load import machine_load
 from eval.records import (
     JobError,
@@ -168,7 +168,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
     )
     if cfg.warmup:
-        warm_up(evaluator)
+        evaluator.warm_up()
     records = {record_key(r): r for r in existing}
     started = time.perf_counter()
     bar = tqdm(samples, desc=f"{cfg.experiment}/{cfg.job}", unit="sample", dynamic_ncols=True)

@@ -50,12 +50,12 @@ import pandas as pd  # noqa: E402
 
 from centroidkv.files import replaced_atomically  # noqa: E402
 from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
+from centroidkv.parsing import is_number  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
-from eval.records import RECORDS  # noqa: E402
+from eval.records import RECORDS, differing_keys  # noqa: E402
 from scripts.tables import (  # noqa: E402
     ABSENT,
     OutputError,
-    differing_keys,
     format_value,
     kv_ratio,
     load_or_error,
@@ -497,10 +497,6 @@ def label_precision(label: str) -> str:
     return suffix if suffix in PRECISION_MARKERS else "model"
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     """Per benchmark: each method's average score against the parameter(s) it was swept over.
 
@@ -528,7 +524,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         for ax, (method, rows, labels, keys) in zip(axes.flat, panels, strict=True):
             names = short_key_names(keys)
             values = {label: [identity_of[label].get(k, ABSENT) for k in keys] for label in labels}
-            numeric = len(keys) == 1 and all(_is_number(v[0]) for v in values.values())
+            numeric = len(keys) == 1 and all(is_number(v[0]) for v in values.values())
             if numeric:
                 x_of = {label: float(v[0]) for label, v in values.items()}
             else:

@@ -34,7 +34,7 @@ def measure_prefill_sharing(
     from centroidkv import CompressedCache, load_model
     from eval.benchmarks.ruler import Ruler
     from eval.config import MethodSpec
-    from eval.evaluate import Evaluator, warm_up
+    from eval.evaluate import Evaluator
     from eval.samples import encode_prompt
 
     model, tokenizer = load_model(model_name)
@@ -46,7 +46,7 @@ def measure_prefill_sharing(
     bench = Ruler(tasks=(task,), lengths=(length,), n_samples=1)
     sample = bench.samples(tokenizer)[0]
     evaluator = Evaluator(model, tokenizer, specs, bench)
-    warm_up(evaluator)
+    evaluator.warm_up()
     head, _ = encode_prompt(sample, tokenizer, context_only=False)
     timer = Timer(evaluator.device)
     with torch.inference_mode(), timer.span() as plain:

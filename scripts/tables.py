@@ -35,7 +35,7 @@ from centroidkv.methods import method_class, method_label, method_variant  # noq
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.dedup import drop_repeated_records  # noqa: E402
 from eval.machine_load import load_note  # noqa: E402
-from eval.records import ResultsWriteError, atomic_write, iter_records  # noqa: E402
+from eval.records import ResultsWriteError, atomic_write, differing_keys, iter_records  # noqa: E402
 from scripts.latex import latex_escape  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
@@ -109,12 +109,6 @@ def short_key_names(keys: list[str]) -> dict[str, str]:
                 break
         names[key] = name
     return names
-
-
-def differing_keys(identities: list[dict[str, Any]]) -> list[str]:
-    """The keys whose value is not the same in every identity (absent counts as a value), sorted."""
-    keys = sorted(set().union(*identities))
-    return [k for k in keys if len({json.dumps(i.get(k, ABSENT), sort_keys=True) for i in identities}) > 1]
 
 
 def format_value(value: Any) -> str:

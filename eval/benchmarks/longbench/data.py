@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from centroidkv.errors import first_line
 from eval.benchmarks.longbench.constants import (
     ALL_DATASETS,
     DEFAULT_MAX_LENGTH,
@@ -28,7 +29,7 @@ from eval.benchmarks.longbench.constants import (
     NO_CHAT_TEMPLATE,
     PROMPTS,
 )
-from eval.common import Tokenizer, count_tokens, first_line, quiet_hub, read_jsonl, resolve_tokenizer
+from eval.common import Tokenizer, count_tokens, quiet_hub, read_jsonl, resolve_tokenizer
 
 
 def file_name(dataset: str, e: bool = False) -> str:
@@ -52,7 +53,7 @@ def _hub_zip() -> bytes:
         except Exception as error:  # offline, unreachable, gated: one line for all
             raise RuntimeError(
                 f"LongBench data needs the Hugging Face Hub dataset {HUB_REPO!r} (or pass data_dir= with "
-                f"<dataset>.jsonl files), which could not be loaded: {first_line(error)}"
+                f"<dataset>.jsonl files), which could not be loaded: {first_line(error, with_type=True)}"
             ) from None
     return Path(path).read_bytes()
 
@@ -75,7 +76,7 @@ def load_rows(dataset: str, data_dir: str | Path | None = None, e: bool = False)
         try:
             return read_jsonl(path)
         except (ValueError, UnicodeDecodeError) as error:
-            raise ValueError(f"{source}: not a jsonl file: {first_line(error)}") from None
+            raise ValueError(f"{source}: not a jsonl file: {first_line(error, with_type=True)}") from None
     with zipfile.ZipFile(io.BytesIO(_hub_zip())) as archive:
         with archive.open(f"data/{name}.jsonl") as f:
             return [json.loads(line) for line in io.TextIOWrapper(f, encoding="utf-8") if line.strip()]

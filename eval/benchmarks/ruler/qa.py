@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 
-from eval.common import first_line, quiet_hub
+from centroidkv.errors import first_line
+from eval.common import quiet_hub
 
 HUB_DATASETS = {
     "squad": ("rajpurkar/squad_v2", None),
@@ -37,7 +38,7 @@ def _load_hub(dataset: str):
         except Exception as error:  # network, offline mode, missing repo: all reported the same way
             raise RuntimeError(
                 f"RULER {dataset} data needs the Hugging Face Hub dataset {repo!r}, which could not be "
-                f"loaded (offline or unreachable): {first_line(error)}"
+                f"loaded (offline or unreachable): {first_line(error, with_type=True)}"
             ) from None
 
 
