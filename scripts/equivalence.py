@@ -39,6 +39,14 @@ MEASURED_FIELDS = (
     "n_cores",
 )
 NATIVE_METHODS = "[full,centroidkv,streaming_llm,h2o,snapkv,pyramidkv,kmeans,cam]"
+POLICY_METHODS = (
+    "[{name:centroidkv,variant:ckv-none,params:{heads:none}},{name:centroidkv,variant:ckv-budget,"
+    "params:{heads:budget}},{name:kmeans,variant:kmeans-whole,params:{heads:whole}},"
+    "{name:h2o,variant:h2o-budget,params:{heads:budget}},{name:snapkv,variant:snapkv-whole,params:{heads:whole}},"
+    "{name:centroidkv,variant:ckv-int4,params:{kv_precision:int4}},"
+    "{name:h2o,variant:h2o-int8-budget,params:{kv_precision:int8,heads:budget}},"
+    "{name:snapkv,variant:snapkv-int4-whole,params:{kv_precision:int4,heads:whole}}]"
+)
 LONGBENCH_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "longbench"
 
 # (job name, overrides): small enough to run in minutes on 2 cores.
@@ -69,6 +77,9 @@ def jobs(quick: bool) -> list[tuple[str, list[str]]]:
         for model in ("tiny-llama", "tiny-mistral")
         for bench, overrides in TINY_BENCHMARKS.items()
     ]
+    # head policies and storage precisions, on the tiny Llama's RULER set
+    found.append(("tiny-llama-policies", ["model=tiny-llama", *common[:2], f"methods={POLICY_METHODS}",
+                                          "budgets=[0.25,0.5]", *TINY_BENCHMARKS["ruler"]]))  # fmt: skip
     if not quick:
         found.append(
             (
