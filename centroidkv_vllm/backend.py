@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +31,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from centroidkv_vllm.config import config_of, refusal
 from centroidkv_vllm.paged import degree_attention, read_entries, request_slots
 from centroidkv_vllm.tracker import LayerCache, Tracker
+
+logger = logging.getLogger("vllm.centroidkv")
 
 # layer name -> its cache and log-degree table, in this process (filled by the builder)
 LAYERS: dict[str, LayerCache] = {}
@@ -54,6 +57,7 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
             raise ValueError(line)
         scale = self.head_dim**-0.5
         self.tracker = Tracker(self.config, self.block_size, scale)
+        logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
 
     def _layers(self) -> list[LayerCache] | None:
         """This group's layers, their caches bound by vLLM (looked up again when vLLM rebinds them);

@@ -14,6 +14,7 @@ around it as `centroidkv.cache.CompressedLayer.compress` does (arXiv 2506.11418,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from centroidkv.centroidkv import CentroidKV
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv_vllm.config import CentroidConfig
 from centroidkv_vllm.paged import read_entries, request_slots, write_entries
+
+logger = logging.getLogger("vllm.centroidkv")
 
 NULL_BLOCK = 0  # vLLM's padding block: rows of a dummy run
 
@@ -137,3 +140,10 @@ class Tracker:
             compress_layer(layer, slots, state.budget, self.method, stats)
         state.removed += physical - state.budget
         state.compressions += 1
+        logger.info(
+            "centroidkv: request at logical length %d compressed from %d to %d entries in %d layers",
+            computed,
+            physical,
+            state.budget,
+            len(layers),
+        )
