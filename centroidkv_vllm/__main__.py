@@ -45,6 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     gen.add_argument("--n-recent", type=int, default=64)
     gen.add_argument("--compress-interval", type=int, default=64)
     gen.add_argument("--enable-prefix-caching", action="store_true", help="(refused by the plugin)")
+    gen.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="prefill chunk (chunked prefill)"
+    )
     gen.add_argument("--kv-mib", type=int, default=256, help="vLLM's KV pool")
     return parser.parse_args(argv)
 
@@ -76,6 +79,7 @@ def make_llm(args: argparse.Namespace):
         max_num_seqs=8,
         seed=0,
         additional_config=extra,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
     )
 
 

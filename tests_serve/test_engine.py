@@ -86,3 +86,27 @@ def test_each_unsupported_feature_has_its_line(change, line):
     config = SimpleNamespace(cache_config=cache, speculative_config=change.get("speculative_config"))
     found = refusal(config, change.get("isa", "vec"), change.get("window", -1))
     assert found is not None and found.startswith(line)
+
+
+@needs_model
+def test_chunked_prefill_compresses_once_the_prompt_is_in_then_every_g():
+    """Prefill in chunks of 256 tokens: the first compression waits for the whole prompt (n), then the
+    request is compressed back to B each time it has grown to B + g, as in the harness."""
+    result, log = run_generate(
+        "--budget",
+        "0.5",
+        "--long-chars",
+        "3000",
+        "--max-tokens",
+        "96",
+        "--compress-interval",
+        "32",
+        "--max-num-batched-tokens",
+        "256",
+    )
+    assert result is not None, log[-3000:]
+    n = result["prompt_tokens"][-1]
+    budget = (n + 96) // 2
+    assert f"logical length {n} compressed from {n} to {budget} entries" in log
+    assert log.count(f"compressed from {budget + 32} to {budget} entries") == 2
+    assert not any(f"logical length {m} compressed" in log for m in range(budget, n))  # none mid-prefill
