@@ -209,9 +209,7 @@ def cli(argv: list[str] | None = None) -> int:
         return 130
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line; every bad value, unwritable output or unloadable model is one line on stderr
-    and exit code 2, found before the calibration's work."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m eval.calibrate",
         description=__doc__.split("\n\n")[0],
@@ -246,25 +244,37 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the JSON to write (None: <cache dir>/outlier_heads/<model>[.<score>].json, read by heads_file=<score>)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked(args: argparse.Namespace) -> tuple[str, Path]:
+    """The model's name and the file to write, once every value is checked (ValueError, one line)."""
     from centroidkv.budget import check_budget
     from centroidkv.model_names import TINY_MODELS, model_kind
     from centroidkv.model_specs import canonical_model_name
 
+    kind = model_kind(args.model)
+    name = canonical_model_name(args.model) if kind == "registered" else args.model
+    if name in TINY_MODELS:
+        raise ValueError("tiny models have no tokenizer to calibrate on")
+    check_budget(args.budget)
+    if not 0 <= args.fraction <= 1:
+        raise ValueError(f"--fraction must be in [0, 1], got {args.fraction!r}")
+    if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
+        raise ValueError("--prompts and --tokens must be >= 1")
+    check_window_fits(args.budget, args.tokens)
+    check_tokens_fit(name, args.tokens)
+    out = args.out or user_head_file(name, args.score)
+    check_writable(out)
+    return name, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; every bad value, unwritable output or unloadable model is one line on stderr
+    and exit code 2, found before the calibration's work."""
+    args = _parser().parse_args(argv)
     try:  # every bad value is one line and exit code 2, before the model loads
-        kind = model_kind(args.model)
-        name = canonical_model_name(args.model) if kind == "registered" else args.model
-        if name in TINY_MODELS:
-            raise ValueError("tiny models have no tokenizer to calibrate on")
-        check_budget(args.budget)
-        if not 0 <= args.fraction <= 1:
-            raise ValueError(f"--fraction must be in [0, 1], got {args.fraction!r}")
-        if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
-            raise ValueError("--prompts and --tokens must be >= 1")
-        check_window_fits(args.budget, args.tokens)
-        check_tokens_fit(name, args.tokens)
-        out = args.out or user_head_file(name, args.score)
-        check_writable(out)
+        name, out = _checked(args)
     except ValueError as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 2

@@ -115,17 +115,8 @@ def job_owner(cfg: RunConfig) -> dict[str, str]:
 
 def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, Any] | None:
     identity = cfg.identity()
-    if cfg.overwrite and store.has_results:
-        kept = store.set_aside()
-        print(
-            f"[overwrite] {cfg.job_dir}: starting again"
-            + (f", previous records kept as {kept.name}" if kept else "")
-        )
-    store.check_identity(identity)
-    if store.finished:
-        print(finished_message(cfg.job_dir))
+    if not _store_open(cfg, store, identity):
         return None
-    store.check_own_records(job_owner(cfg))
     model, tokenizer, samples = _load_for(cfg)
     resolved = cfg.identity()  # a head file calibrated just now is named with its content hash
     if resolved != identity:
@@ -137,13 +128,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     store.prepare(
         OmegaConf.to_yaml(OmegaConf.create(document)), environment(str(next(model.parameters()).device))
     )
-    existing = store.load()
-    if store.n_dropped:
-        kept = f"; the complete ones are kept in {store.kept_aside.name}" if store.kept_aside else ""
-        print(
-            f"[resume] {store.records_path}: dropped {store.n_dropped} torn or corrupt line(s){kept}",
-            file=sys.stderr,
-        )
+    existing = _load_existing(store)
     done = {record_key(r) for r in existing if r["status"] == "ok" or not cfg.retry_failed}
 
     from eval.wandb_logger import make_logger
@@ -178,6 +163,35 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.finish(summary)
     return summary
+
+
+def _store_open(cfg: RunConfig, store: JobStore, identity: dict[str, Any]) -> bool:
+    """Whether the job has work to do in `store`: set aside its records under overwrite=true, refuse
+    another job's folder, and say so (False) when the job is finished."""
+    if cfg.overwrite and store.has_results:
+        kept = store.set_aside()
+        print(
+            f"[overwrite] {cfg.job_dir}: starting again"
+            + (f", previous records kept as {kept.name}" if kept else "")
+        )
+    store.check_identity(identity)
+    if store.finished:
+        print(finished_message(cfg.job_dir))
+        return False
+    store.check_own_records(job_owner(cfg))
+    return True
+
+
+def _load_existing(store: JobStore) -> list[dict[str, Any]]:
+    """The records already written, saying on stderr when torn or corrupt lines were dropped."""
+    existing = store.load()
+    if store.n_dropped:
+        kept = f"; the complete ones are kept in {store.kept_aside.name}" if store.kept_aside else ""
+        print(
+            f"[resume] {store.records_path}: dropped {store.n_dropped} torn or corrupt line(s){kept}",
+            file=sys.stderr,
+        )
+    return existing
 
 
 def _load_for(cfg: RunConfig) -> tuple[Any, Any, list]:

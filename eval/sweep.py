@@ -92,14 +92,7 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
     hydra = Hydra.create_main_hydra2(task_name="run", config_search_path=search_path)
     try:
         jobs = _job_overrides(hydra, config_name, args.overrides, args.multirun, RunMode)
-        configs, errors, composed = [], [], []
-        swept = _swept(jobs)
-
-        def where(index: int) -> str:
-            return (
-                f"job {index} ({','.join(o for o in jobs[index] if o in swept)}): " if len(jobs) > 1 else ""
-            )
-
+        composed = []
         for overrides in jobs:
             cfg = hydra.compose_config(
                 config_name, overrides, run_mode=RunMode.RUN, with_log_configuration=False
@@ -108,16 +101,7 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
             with open_dict(cfg):
                 del cfg["hydra"]  # its interpolations only resolve inside a running job
             composed.append((cfg, dirname))
-        schema = config_schema()
-        for index, (cfg, _) in enumerate(composed):  # every job's first pass before torch is imported
-            errors.extend(f"{where(index)}{line}" for line in first_pass_errors(cfg, schema))
-        if errors:
-            raise ConfigError(errors)
-        for index, (cfg, dirname) in enumerate(composed):
-            try:
-                configs.append(named_job(build_run_config(cfg, schema=schema), dirname))
-            except ConfigError as error:
-                errors.extend(f"{where(index)}{line}" for line in error.lines)
+        configs = _validated(jobs, composed)
     except ConfigError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as error:  # Hydra's own, one line
@@ -126,9 +110,34 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
         raise ConfigError([f"{line}; {hint}" if hint else line]) from None
     finally:
         GlobalHydra.instance().clear()
+    check_job_folders(configs)
+    return configs
+
+
+def _validated(jobs: list[list[str]], composed: list[tuple[Any, str]]) -> list[RunConfig]:
+    """Every composed job validated (its first pass before torch is imported, for all jobs first);
+    ConfigError with every line, each naming its job in a multirun."""
+    swept = _swept(jobs)
+
+    def where(index: int) -> str:
+        return f"job {index} ({','.join(o for o in jobs[index] if o in swept)}): " if len(jobs) > 1 else ""
+
+    schema = config_schema()
+    errors = [
+        f"{where(index)}{line}"
+        for index, (cfg, _) in enumerate(composed)
+        for line in first_pass_errors(cfg, schema)
+    ]
     if errors:
         raise ConfigError(errors)
-    check_job_folders(configs)
+    configs = []
+    for index, (cfg, dirname) in enumerate(composed):
+        try:
+            configs.append(named_job(build_run_config(cfg, schema=schema), dirname))
+        except ConfigError as error:
+            errors.extend(f"{where(index)}{line}" for line in error.lines)
+    if errors:
+        raise ConfigError(errors)
     return configs
 
 

@@ -345,6 +345,47 @@ def check_arguments(task: str, length: int, n: int, split: str = "test") -> None
     check_split(split)
 
 
+def _builder(
+    cfg: dict[str, Any], sample_seed: int, index: int, split: str, length: int, tok: Tokenizer
+) -> tuple[Callable[[int], Any], str, int, int | None]:
+    """The haystack builder of one sample of a task (size -> built sample), its unit for the first
+    size guess, and the smallest and largest size it takes (None: no largest)."""
+    kind = cfg["task"]
+    if kind == "niah":
+        return _niah_builder(cfg, sample_seed, split), cfg["type_haystack"], 0, None
+    if kind == "variable_tracking":
+        icl = _vt_example(sample_seed, cfg["num_hops"], _vt_example_size(tok, cfg["num_hops"]), split)
+        return _vt_builder(cfg, sample_seed, icl, split), "vt", cfg["num_hops"] + 1, None
+    if kind == "common_words_extraction":
+        return _cwe_builder(cfg, sample_seed, length), "cwe", cfg["num_cw"], len(common_words())
+    if kind == "freq_words_extraction":
+        return _fwe_builder(cfg, sample_seed, length), "fwe", 0, None
+    build, maximum = _qa_builder(cfg, sample_seed, index, split)
+    return build, "qa", 0, maximum
+
+
+def _largest_fitting_sample(
+    kind: str,
+    build: Callable[[int], Any],
+    tok: Tokenizer,
+    budget: int,
+    start: int,
+    minimum: int,
+    maximum: int | None,
+) -> tuple[int, Any, Any, int]:
+    """The largest haystack size whose prompt (input + answer prefix) fits `budget` tokens, searched
+    from `start`: the size, the built sample, its rendering and its prompt's tokens."""
+
+    def measure(size: int) -> int:
+        r = render(kind, build(size))
+        return count_tokens(tok, r.input + r.answer_prefix)
+
+    size = largest_fitting(measure, budget, guess=start, minimum=minimum, maximum=maximum)
+    built = build(size)
+    r = render(kind, built)
+    return size, built, r, count_tokens(tok, r.input + r.answer_prefix)
+
+
 def generate_samples(
     task: str,
     length: int,
@@ -354,10 +395,8 @@ def generate_samples(
     progress: bool = False,
     split: str = "test",
 ) -> list[dict[str, Any]]:
-    """Generate `n` RULER samples of `task` of `split` ("dev" or "test") whose prompt fits `length`
-    tokens of `tokenizer`.
-
-    Each sample: task, index, input (= context + question, the user message), context, question,
+    """`n` RULER samples of `task` of `split` ("dev" or "test") whose prompt fits `length` tokens of
+    `tokenizer`. Each sample: task, index, input (= context + question, the user message), context, question,
     answer_prefix (appended after the assistant turn starts), answers, max_new_tokens, length (tokens of
     input), ruler_length (tokens of input + answer prefix, plus max_new_tokens: RULER's own `length`,
     <= target_length), target_length, seed, split, use_chat_template, haystack_size, and per task: needles and
@@ -375,31 +414,12 @@ def generate_samples(
     samples = []
     for index in tqdm(range(n), desc=f"{task} @ {length}", disable=not progress):
         sample_seed = split_seed(split, "ruler", task, seed, index)
-        maximum, minimum = None, 0
-        if kind == "niah":
-            build = _niah_builder(cfg, sample_seed, split)
-            unit = cfg["type_haystack"]
-        elif kind == "variable_tracking":
-            icl = _vt_example(sample_seed, cfg["num_hops"], _vt_example_size(tok, cfg["num_hops"]), split)
-            build, unit, minimum = _vt_builder(cfg, sample_seed, icl, split), "vt", cfg["num_hops"] + 1
-        elif kind == "common_words_extraction":
-            build, unit = _cwe_builder(cfg, sample_seed, length), "cwe"
-            minimum, maximum = cfg["num_cw"], len(common_words())
-        elif kind == "freq_words_extraction":
-            build, unit = _fwe_builder(cfg, sample_seed, length), "fwe"
-        else:
-            build, maximum = _qa_builder(cfg, sample_seed, index, split)
-            unit = "qa"
-
-        def measure(size: int, build=build) -> int:
-            r = render(kind, build(size))
-            return count_tokens(tok, r.input + r.answer_prefix)
+        build, unit, minimum, maximum = _builder(cfg, sample_seed, index, split, length, tok)
 
         start = guess or max(minimum + 1, int(budget / _UNIT_TOKENS[unit]))
-        size = largest_fitting(measure, budget, guess=start, minimum=minimum, maximum=maximum)
-        built = build(size)
-        r = render(kind, built)
-        prompt_tokens = count_tokens(tok, r.input + r.answer_prefix)
+        size, built, r, prompt_tokens = _largest_fitting_sample(
+            kind, build, tok, budget, start, minimum, maximum
+        )
         if prompt_tokens > budget:
             raise ValueError(
                 f"{task}: even the smallest haystack needs {prompt_tokens + new_tokens} > {length} tokens"
