@@ -34,7 +34,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
@@ -49,6 +49,7 @@ from centroidkv.model_names import (
     parse_model_name,
 )
 from centroidkv.parsing import split_top_level
+from centroidkv.prompt_fit import check_fits, prompt_length, truncate_context
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 from centroidkv.schema import check_method_spec, config_schema
 
@@ -86,50 +87,6 @@ class Answer:
     compress_s: float | None = None
 
 
-def prompt_length(tokenizer, context: str, question: str, protocol: str) -> int:
-    """The prompt's tokens, the chat template included (what the model's positions must hold besides
-    the new tokens), whichever way the protocol splits them."""
-    from centroidkv.decoding import chat_prompt_ids
-
-    message = f"{context}\n\n{question}" if question else context
-    head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")
-    return len(head) + len(tail)
-
-
-def check_fits(n_prompt: int, max_new_tokens: int, positions: int | None, model_name: str) -> None:
-    """ValueError (one line) unless the prompt and the new tokens fit in the model's positions."""
-    if positions is not None and n_prompt + max_new_tokens > positions:
-        raise ValueError(
-            f"the prompt ({n_prompt} tokens) and --max-new-tokens ({max_new_tokens}) need "
-            f"{n_prompt + max_new_tokens} positions, more than {model_name}'s {positions}: shorten the "
-            "context, lower --max-new-tokens, or pass --truncate to cut the middle of the context"
-        )
-
-
-def truncate_context(
-    tokenizer, context: str, question: str, protocol: str, max_new_tokens: int, positions: int
-) -> str:
-    """`context` with its middle cut (its first and last tokens kept, as LongBench truncates) so that
-    the prompt and `max_new_tokens` fit in `positions`; unchanged when they already do."""
-    ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-    keep = len(ids)
-    for _ in range(8):  # decoding and encoding again may change a few tokens at the cut
-        excess = prompt_length(tokenizer, context, question, protocol) + max_new_tokens - positions
-        if excess <= 0:
-            return context
-        keep -= excess
-        if keep < 2:
-            raise ValueError(
-                f"the question, the chat template and --max-new-tokens ({max_new_tokens}) alone need "
-                f"more than the model's {positions} positions"
-            )
-        half = keep // 2
-        context = tokenizer.decode(ids[:half], skip_special_tokens=True) + tokenizer.decode(
-            ids[len(ids) - (keep - half) :], skip_special_tokens=True
-        )
-    raise ValueError(f"the context could not be cut to fit the model's {positions} positions")
-
-
 def generate(
     model,
     tokenizer,
@@ -146,34 +103,23 @@ def generate(
     """Answer `question` about `context` with each of `methods` at `budget`: one `Answer` per method
     and question, method by method, each method's in the order of the questions.
 
-    `question`: one question, or several (a list): each method then compresses the context once and
-    answers every question from that compressed cache (context-only). The user's turn is the
-    context, a blank line and the question (just the context when the question is empty).
-    `protocol` (every method runs it): "context_only" compresses the context and feeds the question
-    afterwards (the default with a question), "full_prompt" compresses the whole prompt (the default
-    without one; one question at most); under it a method that compresses inside its prefill
-    (`centroidkv.plan.PrefillCompressor`) cannot run and answers with its error. `warm`: first
-    `warm_up`, so that a process's one-time costs stay out of the times. `on_answer` is called with
-    each answer as soon as it is done. A method that fails answers with its error (one line); the
-    others go on. Raises ValueError (one line) for a bad method, budget, unit or protocol, several
-    questions under the full-prompt protocol, a prompt and `max_new_tokens` beyond the model's
-    positions (`max_position_embeddings`), or a head policy on a model not calibrated yet
-    (`python -m eval.calibrate`); all before any prefill.
+    `question`: one, or several (each method then compresses the context once and answers every
+    question from it). The user's turn is the context, a blank line and the question. `protocol`:
+    "context_only" compresses the context and feeds the question afterwards (the default with a
+    question); "full_prompt" compresses the whole prompt (the default without one; one question at
+    most), which a method that compresses inside its prefill cannot run (it answers with its error).
+    `warm`: `warm_up` first, keeping one-time costs out of the times; `on_answer(answer)` as soon as
+    each is done. A method that fails answers with its error (one line); the others go on. ValueError
+    (one line), before any prefill: a bad method, budget, unit or protocol, a prompt beyond the
+    model's positions, or a head policy on a model not calibrated yet (`python -m eval.calibrate`).
     """
     from centroidkv.decoding import eos_token_ids
     from centroidkv.methods import parse_method
-    from centroidkv.plan import Run, compresses_in_prefill, run, warm_up
+    from centroidkv.plan import Run, run, warm_up
 
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
-    questions = [question] if isinstance(question, str) else list(question)
-    if not questions:
-        raise ValueError("give a question, or an empty one for a whole prompt")
-    protocol = protocol or (CONTEXT_ONLY if any(questions) else FULL_PROMPT)
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    if len(questions) > 1 and protocol != CONTEXT_ONLY:
-        raise ValueError("several questions need the context-only protocol: one context, compressed once")
+    questions, protocol = _questions_and_protocol(question, protocol)
     named = [(m, parse_method(m)) if isinstance(m, str) else (m.name, m) for m in methods]
     prompt = _prompt(tokenizer, context, questions, protocol)
     positions = getattr(model.config, "max_position_embeddings", None)
@@ -181,19 +127,11 @@ def generate(
         check_fits(len(prompt.prefilled) + len(prompt.fed_ids(q)), max_new_tokens, positions, "the model")
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
         method.listed_heads(model)
-    answers: dict[tuple[int, int], Answer] = {}
-    runnable = []
-    for i, (asked, method) in enumerate(named):
-        if protocol == FULL_PROMPT and compresses_in_prefill(method):
-            error = (
-                f"{asked} compresses a context inside its prefill and cannot compress a whole prompt: "
-                "give --context and --question (the context-only protocol)"
-            )
-            answers[i, 0] = _answer(asked, method, protocol, question=questions[0], error=error)
-            if on_answer:
-                on_answer(answers[i, 0])
-        else:
-            runnable.append(i)
+    answers = _refused(named, protocol, questions[0])
+    for answer in answers.values():
+        if on_answer:
+            on_answer(answer)
+    runnable = [i for i in range(len(named)) if (i, 0) not in answers]
     if warm and runnable:
         warm_up(model, [named[i][1] for i in runnable])
     eos = eos_token_ids(model, tokenizer)
@@ -209,6 +147,38 @@ def generate(
     runs = [Run(named[i][1], budget if named[i][1].compresses else 1.0) for i in runnable]
     run(model, prompt, runs, max_new_tokens, eos, budget_unit, decode_batch=1, on_outcome=done)
     return [answers[key] for key in sorted(answers)]
+
+
+def _questions_and_protocol(question: str | Sequence[str], protocol: str | None) -> tuple[list[str], str]:
+    """The questions as a list and the protocol they run under (module docstring); ValueError (one
+    line) for none, an unknown protocol, or several under the full-prompt protocol."""
+    questions = [question] if isinstance(question, str) else list(question)
+    if not questions:
+        raise ValueError("give a question, or an empty one for a whole prompt")
+    protocol = protocol or (CONTEXT_ONLY if any(questions) else FULL_PROMPT)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if len(questions) > 1 and protocol != CONTEXT_ONLY:
+        raise ValueError("several questions need the context-only protocol: one context, compressed once")
+    return questions, protocol
+
+
+def _refused(named: list[tuple[str, Method]], protocol: str, question: str) -> dict[tuple[int, int], Answer]:
+    """The answers of the methods that cannot run `protocol` (keyed (method index, 0)): one that
+    compresses inside its prefill cannot compress a whole prompt."""
+    from centroidkv.plan import compresses_in_prefill
+
+    if protocol != FULL_PROMPT:
+        return {}
+    error = (
+        "{} compresses a context inside its prefill and cannot compress a whole prompt: "
+        "give --context and --question (the context-only protocol)"
+    )
+    return {
+        (i, 0): _answer(asked, method, protocol, question=question, error=error.format(asked))
+        for i, (asked, method) in enumerate(named)
+        if compresses_in_prefill(method)
+    }
 
 
 def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Prompt:
@@ -389,54 +359,79 @@ def fitted_context(args: argparse.Namespace, tokenizer, context: str, question: 
     return context
 
 
+@dataclass
+class Request:
+    """What a `generate` command line asks for, every value checked (`checked_request`)."""
+
+    methods: list[str]
+    budget: float
+    context: str
+    questions: list[str]
+    positions: int | None  # the model's positions; None: a hub model not in the local cache
+
+
+def checked_request(args: argparse.Namespace) -> Request:
+    """The command line's request; ValueError (one line) for any bad value, before the model loads:
+    first what needs no torch, then the methods themselves (head files, a press's own parameters)
+    and the model's positions."""
+    if model_kind(args.model) == "registered" and parse_model_name(args.model)[0] in RANDOM_MODELS:
+        raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
+    methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
+    if not methods:
+        raise ValueError("--methods: give at least one method")
+    for method in methods:  # names, parameters and their rules, from the cached schema
+        check_method_spec(method)
+    budget = check_budget(args.budget)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    context = args.prompt if args.prompt is not None else read_text(args.context, "context")
+    questions = read_questions(args.question) or [""]
+    if len(questions) > 1 and args.protocol != CONTEXT_ONLY:
+        raise ValueError("several --question need --context and the context_only protocol")
+    if not context.strip():
+        raise ValueError("the context is empty")
+    from centroidkv.methods import parse_method
+
+    for method in methods:
+        parse_method(method)
+    import centroidkv.models as models  # as models.<name>, so that tests can stand in for the loaders
+
+    positions = models.max_positions(args.model)
+    if positions is not None and args.max_new_tokens >= positions:
+        raise ValueError(
+            f"--max-new-tokens must be at least 1 and below {args.model}'s {positions} positions, "
+            f"got {args.max_new_tokens}"
+        )
+    return Request(methods, budget, context, questions, positions)
+
+
+def fit_request(args: argparse.Namespace, request: Request, tokenizer: Any, positions: int | None) -> None:
+    """Fit the context to `positions` (cut with --truncate) for every question: the longest decides."""
+    request.positions = positions
+    if positions is not None:
+        for question in request.questions:
+            request.context = fitted_context(args, tokenizer, request.context, question, positions)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring): a bad value is one line and exit 2, a model that cannot
+    be loaded one line and exit 1, both before anything runs."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:  # every input is checked before the model loads; first what needs no torch (fast)
-        if model_kind(args.model) == "registered" and parse_model_name(args.model)[0] in RANDOM_MODELS:
-            raise ValueError(f"model {args.model!r} has random weights and no tokenizer: choose a real model")
-        methods = [m.strip() for m in split_top_level(args.methods) if m.strip()]
-        if not methods:
-            raise ValueError("--methods: give at least one method")
-        for method in methods:  # names, parameters and their rules, from the cached schema
-            check_method_spec(method)
-        budget = check_budget(args.budget)
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-        context = args.prompt if args.prompt is not None else read_text(args.context, "context")
-        questions = read_questions(args.question) or [""]
-        if len(questions) > 1 and args.protocol != CONTEXT_ONLY:
-            raise ValueError("several --question need --context and the context_only protocol")
-        if not context.strip():
-            raise ValueError("the context is empty")
-        # then what needs the methods themselves (head files, a press's own parameters) and
-        # the model's positions
-        from centroidkv.methods import parse_method
-
-        for method in methods:
-            parse_method(method)
-        import centroidkv.models as models  # as models.<name>, so that tests can stand in for the loaders
-
-        positions = models.max_positions(args.model)  # None: a hub model not in the local cache
-        if positions is not None and args.max_new_tokens >= positions:
-            raise ValueError(
-                f"--max-new-tokens must be at least 1 and below {args.model}'s {positions} positions, "
-                f"got {args.max_new_tokens}"
-            )
+    try:
+        request = checked_request(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    hub = args.model in HUB_MODELS or model_kind(args.model) == "hub"
-    if hub:  # offline when the Hub does not answer within seconds, not after ~75 s of retries; the
-        offline_unless_reachable()  # loader's own line then says it is offline
+    import centroidkv.models as models  # torch: only once the request is known to be good
+    if args.model in HUB_MODELS or model_kind(args.model) == "hub":
+        offline_unless_reachable()  # offline when the Hub does not answer within seconds, not ~75 s
     try:
         tokenizer = models.load_tokenizer(args.model)
     except (RuntimeError, OSError, ImportError, ValueError) as error:
         print(f"error: cannot load the tokenizer of {args.model}: {first_line(error)}", file=sys.stderr)
         return 1
     try:  # the prompt must fit in the model's positions: checked before the model loads when known
-        if positions is not None:
-            for question in questions:  # cut (with --truncate) for each: the longest decides
-                context = fitted_context(args, tokenizer, context, question, positions)
+        fit_request(args, request, tokenizer, request.positions)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -445,39 +440,43 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # the Hub unreachable, gated, ...
         print(f"error: cannot load {args.model}: {first_line(error)}", file=sys.stderr)
         return 1
-
-    def show(answer: Answer) -> None:  # each method's block as soon as it is done
-        if args.json:
-            print(
-                json.dumps({**asdict(answer), "budget": budget, "budget_unit": args.budget_unit}), flush=True
-            )
-        else:
-            print(format_answer(answer, with_question=len(questions) > 1) + "\n", flush=True)
-
     try:
-        if positions is None:  # a hub model whose config was not cached: its positions are known now
-            positions = getattr(model.config, "max_position_embeddings", None)
-            if positions is not None:
-                for question in questions:
-                    context = fitted_context(args, tokenizer, context, question, positions)
-        if not args.json:
-            print(protocol_line(args.protocol, budget, args.budget_unit, len(questions)) + "\n", flush=True)
-        answers = generate(
-            model,
-            tokenizer,
-            context,
-            questions if len(questions) > 1 else questions[0],
-            methods,
-            budget,
-            max_new_tokens=args.max_new_tokens,
-            protocol=args.protocol,
-            budget_unit=args.budget_unit,
-            on_answer=show,
-        )
+        answers = _run_request(args, request, model, tokenizer)
     except ValueError as error:  # e.g. a head policy on a model that was never calibrated
         print(f"error: {first_line(error)}", file=sys.stderr)
         return 2
     return 0 if any(answer.error is None for answer in answers) else 1
+
+
+def _run_request(args: argparse.Namespace, request: Request, model: Any, tokenizer: Any) -> list[Answer]:
+    """Every method's answers, each method's block printed as soon as it is done."""
+    questions = request.questions
+
+    def show(answer: Answer) -> None:
+        if args.json:
+            fields = {**asdict(answer), "budget": request.budget, "budget_unit": args.budget_unit}
+            print(json.dumps(fields), flush=True)
+        else:
+            print(format_answer(answer, with_question=len(questions) > 1) + "\n", flush=True)
+
+    if request.positions is None:  # a hub model whose config was not cached: its positions are known now
+        fit_request(args, request, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    if not args.json:
+        print(
+            protocol_line(args.protocol, request.budget, args.budget_unit, len(questions)) + "\n", flush=True
+        )
+    return generate(
+        model,
+        tokenizer,
+        request.context,
+        questions if len(questions) > 1 else questions[0],
+        request.methods,
+        request.budget,
+        max_new_tokens=args.max_new_tokens,
+        protocol=args.protocol,
+        budget_unit=args.budget_unit,
+        on_answer=show,
+    )
 
 
 if __name__ == "__main__":

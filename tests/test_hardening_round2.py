@@ -235,7 +235,7 @@ def test_generate_a_context_beyond_the_models_positions_is_refused_before_loadin
 
 
 def test_truncate_cuts_the_middle_of_the_context_to_fit():
-    from centroidkv.generate import prompt_length, truncate_context
+    from centroidkv.prompt_fit import prompt_length, truncate_context
 
     tokenizer = centroidkv.models.load_tokenizer()
     cut = truncate_context(tokenizer, LONG_CONTEXT, "What jumps?", "full_prompt", 64, 2048)
