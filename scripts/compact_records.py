@@ -49,6 +49,21 @@ def _commit() -> str | None:
     return found.stdout.strip() if found.returncode == 0 else None
 
 
+def _run_commit(paths: list[Path]) -> str | None:
+    """The commit the jobs under `paths` ran on (their env.json), else this checkout's: records exported
+    later, from another checkout, still name the code that made them."""
+    found = set()
+    for path in paths:
+        for env in sorted(path.rglob("env.json")) if path.is_dir() else []:
+            found.add(json.loads(env.read_text()).get("git_commit"))
+    found.discard(None)
+    if len(found) > 1:
+        raise ValueError(
+            f"the jobs ran on {len(found)} commits ({', '.join(sorted(found))}): export them apart"
+        )
+    return found.pop() if found else _commit()
+
+
 def export(paths: list[Path], out: Path, command: str) -> int:
     """Write the compact file of the records under `paths`; returns the number of records."""
     identities: dict[str, Any] = {}
@@ -57,7 +72,12 @@ def export(paths: list[Path], out: Path, command: str) -> int:
         job = f"{record['experiment']}/{record['job']}"
         identities.setdefault(job, record.get("_identity"))
         lines.append(json.dumps({k: record[k] for k in COMPACT_FIELDS if k in record}, sort_keys=True))
-    header = {"compact": FORMAT_VERSION, "commit": _commit(), "command": command, "identities": identities}
+    header = {
+        "compact": FORMAT_VERSION,
+        "commit": _run_commit(paths),
+        "command": command,
+        "identities": identities,
+    }
     buffer = io.BytesIO()
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as handle:  # mtime 0: the same bytes again
         handle.write(("\n".join([json.dumps(header, sort_keys=True), *lines]) + "\n").encode())

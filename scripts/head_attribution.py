@@ -13,7 +13,7 @@ budget; one `heads_file` for all) and writes, per budget, two tables to `<result
 
 The best policy of a method is chosen on `--choose-on` (the dev factorial) when given, so that the
 test numbers are not the maximum of three noisy ones; otherwise on the records themselves (say so).
-A lead with P below 0.9 is "level" (`scripts.tables.RESOLVED`).
+A lead with P below 0.9, or on fewer than 10 samples, is not resolved (`scripts.tables.resolved_words`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from centroidkv.heads import HEAD_POLICIES  # noqa: E402
-from scripts.tables import RESOLVED, bootstrap, load_or_error, p_above, to_markdown, write_text  # noqa: E402
+from scripts.tables import bootstrap, load_or_error, p_above, resolved_words, to_markdown, write_text  # noqa: E402
 
 CLUSTERING = "centroidkv"
 
@@ -108,7 +108,7 @@ def attribution(df: pd.DataFrame, chooser: pd.DataFrame | None) -> dict[str, pd.
                     f"{CLUSTERING} ({best.get(CLUSTERING, 'none')})": means[column[clustering]],
                     "clustering adds": means[column[clustering]] - means[column[other]],
                     "P": f"{p:.2f}",
-                    "resolved": "yes" if max(p, 1 - p) >= RESOLVED else "level",
+                    "resolved": resolved_words(p, n_samples),
                 }
             )
         policy_table = pd.DataFrame(rows).set_index("Method")

@@ -270,6 +270,15 @@ def count_words(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
+def resolved_words(p: float, n_samples: int) -> str:
+    """Whether a lead with P(a > b) = `p` on `n_samples` paired samples is resolved, in words: "yes" when
+    P (either way) reaches RESOLVED on at least MIN_SAMPLES samples, else what stops it."""
+    words = [] if max(p, 1 - p) >= RESOLVED else [f"level (P {p:.2f})"]
+    if n_samples < MIN_SAMPLES:
+        words.append(f"too few samples ({n_samples} < {MIN_SAMPLES})")
+    return "; ".join(words) or "yes"
+
+
 def unresolved_words(n_samples: int) -> str:
     """The words a table carries when `n_samples` per method cannot resolve its comparisons ("" when
     they can): tables and rankings say it, not only their numbers."""

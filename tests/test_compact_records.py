@@ -49,3 +49,17 @@ def test_export_then_tables_round_trip_and_a_wrong_file_is_one_line(tmp_path, ca
     assert capsys.readouterr().err.strip() == f"error: {bad} is not a compact records file (version 1)"
     with pytest.raises(ValueError):
         compact_records.expand(bad, tmp_path / "x")
+
+
+def test_export_names_the_commit_the_jobs_ran_on_not_the_exporting_checkout(tmp_path):
+    jobs = compact_records.expand(COMPACT, tmp_path / "jobs")
+    (jobs[0] / "env.json").write_text(json.dumps({"git_commit": "a" * 40}))
+    out = tmp_path / "out.jsonl.gz"
+    compact_records.export([tmp_path / "jobs"], out, "make something")
+    with gzip.open(out, "rt") as handle:
+        assert json.loads(handle.readline())["commit"] == "a" * 40
+    second = jobs[0].parent / "another-job"
+    second.mkdir()
+    (second / "env.json").write_text(json.dumps({"git_commit": "b" * 40}))
+    with pytest.raises(ValueError, match="2 commits"):
+        compact_records.export([tmp_path / "jobs"], out, "make something")

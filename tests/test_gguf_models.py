@@ -104,6 +104,7 @@ def tiny_wheel_model(tiny_gguf, tmp_path, monkeypatch) -> str:
         add_bos_token=False,
         n_layers=LAYERS,
         n_kv_heads=KV_HEADS,
+        n_query_heads=HEADS,
         positions=4096,
         about="a tiny random qwen2 written by the test",
     )

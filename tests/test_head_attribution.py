@@ -27,10 +27,10 @@ def records(scores: dict[tuple[str, str], list[float]]) -> pd.DataFrame:
 def test_heads_and_clustering_are_attributed_with_their_p():
     df = records(
         {
-            ("centroidkv", "none"): [100, 100, 100, 100, 0, 100],
-            ("centroidkv", "whole"): [100, 100, 100, 100, 100, 100],
-            ("snapkv", "none"): [0, 0, 0, 0, 0, 0],
-            ("snapkv", "whole"): [100, 0, 100, 0, 100, 0],
+            ("centroidkv", "none"): [100, 100, 100, 100, 0, 100] * 2,
+            ("centroidkv", "whole"): [100, 100, 100, 100, 100, 100] * 2,
+            ("snapkv", "none"): [0, 0, 0, 0, 0, 0] * 2,
+            ("snapkv", "whole"): [100, 0, 100, 0, 100, 0] * 2,
         }
     )
     tables = attribution(df, None)
@@ -40,6 +40,10 @@ def test_heads_and_clustering_are_attributed_with_their_p():
     clustering, _ = tables["0.25 clustering"]
     row = clustering.loc["snapkv (whole)"]
     assert row["clustering adds"] == 50.0 and row["resolved"] == "yes"
+    # the same lead on half the samples: P alone would call it, the sample count does not
+    first_half = df[df["sample_id"].isin([f"s{index}" for index in range(6)])]
+    clustering, _ = attribution(first_half, None)["0.25 clustering"]
+    assert clustering.loc["snapkv (whole)", "resolved"] == "too few samples (6 < 10)"
     # chosen on other records (as on dev), a policy that is worse here is still the one reported
     chooser = records(
         {

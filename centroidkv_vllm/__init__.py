@@ -1,0 +1,24 @@
+"""CentroidKV inside vLLM: a plugin that merges a request's KV entries in vLLM's own paged cache.
+
+The method is the paper's (Hu et al., "Efficient Long-Context LLM Inference via KV Cache Clustering",
+arXiv 2506.11418): Chunked Soft Matching merges similar entries into degree-weighted centroids, and
+attention adds log(degree) to the logits. The merging is the library's (`centroidkv.csm`, through the
+`CentroidKV` method); this package only moves entries between vLLM's blocks and the library's tensors
+and adds the log-degree term to the attention. What works and what does not yet: docs/vllm.md.
+
+vLLM loads `register` in every process it starts (entry point group `vllm.general_plugins`); it
+replaces the CPU attention backend by `centroidkv_vllm.backend.CentroidBackend`, which behaves as the
+stock backend unless the engine is configured with `additional_config={"centroidkv": {...}}`
+(`centroidkv_vllm.config`).
+"""
+
+from __future__ import annotations
+
+BACKEND_PATH = "centroidkv_vllm.backend.CentroidBackend"
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: override the CPU_ATTN backend with CentroidKV's (no vLLM patching)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

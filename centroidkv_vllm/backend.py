@@ -1,0 +1,167 @@
+"""vLLM's CPU attention backend with CentroidKV: log-degrees in the attention, compression before a step.
+
+`CentroidBackend` replaces CPU_ATTN (registered by `centroidkv_vllm.register`). Without
+`additional_config["centroidkv"]` it is the stock backend. With it:
+
+- the metadata builder (once per step) compresses the requests that are due (`Tracker`), then hands
+  vLLM's kernel physical lengths: each compressed request's `seq_lens` and the step's `slot_mapping`
+  (the same tensor vLLM writes the new keys and values with) are shifted by the entries it has merged
+  away, while positions stay logical, so RoPE is unchanged;
+- the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
+  hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3):
+  the kernel has no per-key additive term. Requests without centroids keep the kernel's output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from centroidkv_vllm.config import config_of, refusal
+from centroidkv_vllm.paged import degree_attention, read_entries, request_slots
+from centroidkv_vllm.tracker import LayerCache, Tracker
+
+logger = logging.getLogger("vllm.centroidkv")
+
+# layer name -> its cache and log-degree table, in this process (filled by the builder)
+LAYERS: dict[str, LayerCache] = {}
+
+
+@dataclass
+class CentroidMetadata(CPUAttentionMetadata):
+    """The stock metadata plus the requests whose entries include centroids: (index, physical length)."""
+
+    merged: tuple[tuple[int, int], ...] = ()
+
+
+class CentroidBuilder(CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config = config_of(vllm_config)
+        self.tracker: Tracker | None = None
+        if self.config is None:
+            return
+        line = refusal(vllm_config, self.isa, self.window_size)
+        if line:
+            raise ValueError(line)
+        scale = self.head_dim**-0.5
+        self.tracker = Tracker(self.config, self.block_size, scale)
+        logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
+
+    def _layers(self) -> list[LayerCache] | None:
+        """This group's layers, their caches bound by vLLM (looked up again when vLLM rebinds them);
+        None before vLLM has allocated the caches (its profiling run)."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        layers = []
+        for name in self.layer_names:
+            kv_cache = context[name].kv_cache
+            if not isinstance(kv_cache, Tensor) or kv_cache.dim() != 4:
+                return None
+            if name not in LAYERS or LAYERS[name].kv_cache is not kv_cache:
+                LAYERS[name] = LayerCache(kv_cache, self.isa)
+            layers.append(LAYERS[name])
+        return layers
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> CPUAttentionMetadata:
+        layers = None if self.tracker is None else self._layers()
+        if layers is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        start = cm.query_start_loc_cpu[: num_reqs + 1]
+        seq_lens = cm.seq_lens[:num_reqs].cpu()
+        offsets = self.tracker.offsets(
+            layers, seq_lens, start[1:] - start[:-1], cm.is_prefilling, cm.block_table_tensor
+        )
+        if any(offsets):
+            cm = self._remap(cm, offsets)
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        # CSM only merges, so a request with entries removed holds centroids in every layer
+        merged = tuple((i, int(cm.seq_lens[i])) for i in range(num_reqs) if offsets[i])
+        return CentroidMetadata(**vars(metadata), merged=merged)
+
+    def _remap(self, cm: CommonAttentionMetadata, offsets: list[int]) -> CommonAttentionMetadata:
+        """Physical lengths and slots for requests with merged entries; positions stay logical.
+        `slot_mapping` is rewritten in place: vLLM writes this step's keys and values with it."""
+        shift = torch.zeros(cm.seq_lens.shape[0], dtype=cm.seq_lens.dtype)
+        shift[: len(offsets)] = torch.tensor(offsets, dtype=cm.seq_lens.dtype)
+        seq_lens = cm.seq_lens - shift
+        start = cm.query_start_loc_cpu
+        for i, offset in enumerate(offsets):
+            if not offset:
+                continue
+            tokens = slice(int(start[i]), int(start[i + 1]))
+            physical = cm.positions[tokens].long() - offset
+            row = cm.block_table_tensor[i].long()
+            cm.slot_mapping[tokens] = (
+                row[physical // self.block_size] * self.block_size + physical % self.block_size
+            )
+        return replace(cm, seq_lens=seq_lens, max_seq_len=int(seq_lens[: cm.num_reqs].max()))
+
+
+class CentroidImpl(CPUAttentionBackendImpl):
+    def do_kv_cache_update(
+        self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
+        """vLLM's write, then log-degree 0 for the new entries (their slots may hold a former centroid's)."""
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        table = LAYERS.get(layer.layer_name)
+        if table is not None:
+            slots = slot_mapping[: key.shape[0]]
+            table.log_degree[slots[slots >= 0].long()] = 0.0
+
+    def forward(
+        self,
+        layer,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        attn_metadata,
+        output: Tensor,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> Tensor:
+        output = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+        merged = getattr(attn_metadata, "merged", ())
+        if not merged:
+            return output
+        table = LAYERS[layer.layer_name]
+        block_size = kv_cache.shape[2]
+        for index, length in merged:
+            tokens = slice(
+                int(attn_metadata.query_start_loc[index]), int(attn_metadata.query_start_loc[index + 1])
+            )
+            slots = request_slots(attn_metadata.block_table[index], length, block_size)
+            keys, values = read_entries(kv_cache, slots)
+            output[tokens] = degree_attention(
+                query[tokens], keys, values, table.log_degree[slots].t(), self.scale
+            )
+        return output
+
+
+class CentroidBackend(CPUAttentionBackend):
+    """CPU_ATTN with CentroidKV (module docstring)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[CentroidImpl]:
+        return CentroidImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CentroidBuilder]:
+        return CentroidBuilder

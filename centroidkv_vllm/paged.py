@@ -1,0 +1,71 @@
+"""A request's entries in vLLM's paged CPU KV cache, and attention over them with log-degrees.
+
+One layer's cache is [num_blocks, H, block_size, 2 * D]. For the `vec`/`vec16` CPU kernels a block's
+keys are stored transposed, [H, D, block_size], followed by its values, [H, block_size, D] (checked
+against `cpu_attn_reshape_and_cache` in tests_serve/test_paged.py). Entries are written back through
+that same kernel op, so only reading depends on the layout.
+
+The log-degree of an entry (0 for an original token, log n for a centroid of n tokens; arXiv
+2506.11418, Sec. 3) lives beside the cache in a float32 table indexed by slot, [num_slots, H].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from vllm import _custom_ops as ops
+
+
+def request_slots(block_row: Tensor, length: int, block_size: int) -> Tensor:
+    """Slots of a request's physical positions 0..length-1, from its block-table row."""
+    positions = torch.arange(length, dtype=torch.long)
+    return block_row[positions // block_size].long() * block_size + positions % block_size
+
+
+def split_cache(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+    """(key_cache, value_cache) views in the shape the CPU kernel ops take, as the stock backend makes."""
+    num_blocks, heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+
+
+def read_entries(kv_cache: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values at `slots` [L]: two [H, L, D] tensors (copies)."""
+    num_blocks, heads, block_size, two_dim = kv_cache.shape
+    dim = two_dim // 2
+    halves = kv_cache.view(num_blocks, heads, 2, block_size * dim)
+    keys = halves[:, :, 0].view(num_blocks, heads, dim, block_size)
+    values = halves[:, :, 1].view(num_blocks, heads, block_size, dim)
+    block, offset = slots // block_size, slots % block_size
+    return keys[block, :, :, offset].transpose(0, 1), values[block, :, offset].transpose(0, 1)
+
+
+def write_entries(kv_cache: Tensor, slots: Tensor, keys: Tensor, values: Tensor, isa: str) -> None:
+    """Write keys and values [H, L, D] at `slots` [L] with vLLM's own cache-writing kernel."""
+    key_cache, value_cache = split_cache(kv_cache)
+    dtype = kv_cache.dtype
+    ops.cpu_attn_reshape_and_cache(
+        keys.transpose(0, 1).to(dtype).contiguous(),
+        values.transpose(0, 1).to(dtype).contiguous(),
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+    )
+
+
+def degree_attention(query: Tensor, keys: Tensor, values: Tensor, log_degree: Tensor, scale: float) -> Tensor:
+    """softmax(scale * q.k + log n) v over one request's entries, causal at the end (bottom-right).
+
+    query [t, Hq, D] (the request's last t tokens), keys/values [H, L, D], log_degree [H, L]; query
+    head h reads KV head h // (Hq / H). Float32 inside; returns [t, Hq, D] in the query's dtype.
+    """
+    t, q_heads, dim = query.shape
+    heads, length = log_degree.shape
+    group = q_heads // heads
+    q = query.float().transpose(0, 1).reshape(heads, group * t, dim)
+    logits = torch.bmm(q, keys.float().transpose(1, 2)).mul_(scale)  # [H, group * t, L]
+    logits += log_degree.float().unsqueeze(1)
+    visible = torch.arange(length).view(1, length) <= torch.arange(length - t, length).view(t, 1)
+    logits.view(heads, group, t, length).masked_fill_(~visible, float("-inf"))
+    out = torch.bmm(logits.softmax(dim=-1), values.float())  # [H, group * t, D]
+    return out.view(q_heads, t, dim).transpose(0, 1).to(query.dtype)

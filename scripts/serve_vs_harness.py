@@ -1,0 +1,81 @@
+"""The vLLM plugin's greedy tokens against the harness's own CentroidKV on the same token ids.
+
+    python -m centroidkv_vllm generate --budget 0.5 --long-chars 3000 > plugin.out   # .venv-serve
+    python scripts/serve_vs_harness.py plugin.out [--dtype bfloat16]                  # .venv
+
+Reads the plugin's `CENTROIDKV_RESULT` line (prompt ids, budget, generated tokens), runs the
+harness's plan on each prompt (the full cache and CentroidKV with the plugin's settings: every head
+compressed, post-RoPE similarity, budgets in entries, same g and windows) and prints, per prompt,
+how many leading tokens agree with the plugin's and the harness's entries per layer at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from centroidkv.methods import get_method
+from centroidkv.models import load_model
+from centroidkv.plan import Prompt, Run, run
+
+MODEL = Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"
+
+
+def read_result(path: str) -> dict:
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("CENTROIDKV_RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    raise SystemExit(f"{path}: no CENTROIDKV_RESULT line")
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Leading tokens on which a and b agree."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("result")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--n-sink", type=int, default=16)
+    parser.add_argument("--n-recent", type=int, default=64)
+    parser.add_argument("--compress-interval", type=int, default=64)
+    args = parser.parse_args()
+    plugin = read_result(args.result)
+    budget = plugin["budget"] or 1.0
+    model, _ = load_model(str(MODEL), dtype=getattr(torch, args.dtype))
+    method = get_method(
+        "centroidkv",
+        similarity="post_rope",
+        heads="none",
+        n_sink=args.n_sink,
+        n_recent=args.n_recent,
+        compress_interval=args.compress_interval,
+    )
+    runs = [Run(get_method("full"), 1.0), Run(method, budget)]
+    for ids, tokens in zip(plugin["prompt_ids"], plugin["tokens"]):
+        prompt = Prompt(prefilled=ids, fed=[], context=ids, question=[])
+        full, ours = run(model, prompt, runs, len(tokens), eos_token_ids=set(), budget_unit="entries")
+        for name, outcome in (("full", full), (f"centroidkv R={budget}", ours)):
+            if outcome.error is not None:
+                print(f"n={len(ids)} {name}: error {outcome.error}")
+                continue
+            generated = outcome.generation.tokens[0]
+            print(
+                f"n={len(ids)} harness {name} ({args.dtype}): agrees with the plugin on "
+                f"{agreement(generated, tokens)}/{len(tokens)} tokens; entries per layer at the end "
+                f"{outcome.generation.seq_lengths[0]}"
+            )
+
+
+if __name__ == "__main__":
+    main()

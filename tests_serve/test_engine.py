@@ -1,0 +1,112 @@
+"""The plugin inside vLLM's engine on the embedded model (real weights; minutes on a CPU).
+
+Run in .venv-serve (`make serve-test`); skipped when the converted model folder is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from centroidkv_vllm.__main__ import DEFAULT_MODEL
+from centroidkv_vllm.config import refusal
+
+needs_model = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), reason="no converted model")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run_generate(*args: str) -> tuple[dict | None, str]:
+    """`python -m centroidkv_vllm generate ARGS` in its own process: (result, log)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "centroidkv_vllm", "generate", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=900,
+    )
+    log = proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        if line.startswith("CENTROIDKV_RESULT "):
+            return json.loads(line.split(" ", 1)[1]), log
+    return None, log
+
+
+@pytest.fixture(scope="module")
+def stock() -> dict:
+    result, log = run_generate("--stock", "--long-chars", "3000")
+    assert result is not None, log[-3000:]
+    return result
+
+
+@needs_model
+def test_budget_one_gives_stock_tokens(stock):
+    """At R = 1 nothing is merged: the plugin's backend must give vLLM's own greedy tokens."""
+    result, log = run_generate("--budget", "1.0", "--long-chars", "3000")
+    assert result is not None, log[-3000:]
+    assert "centroidkv: plugin on" in log
+    assert result["tokens"] == stock["tokens"]
+
+
+@needs_model
+def test_budget_half_compresses_after_prefill(stock):
+    """At R = 1/2 the long prompt (n tokens) is merged to B = (n + 32) / 2 entries in every layer once
+    the prompt is in; the short prompts fit their budget and keep vLLM's tokens."""
+    result, log = run_generate("--budget", "0.5", "--long-chars", "3000")
+    assert result is not None, log[-3000:]
+    n = result["prompt_tokens"][-1]
+    assert f"compressed from {n} to {(n + 32) // 2} entries in 30 layers" in log
+    assert result["tokens"][:3] == stock["tokens"][:3]
+    assert len(result["tokens"][-1]) == 32
+
+
+@needs_model
+def test_prefix_caching_is_refused_by_the_engine():
+    """The engine does not start, and its error names the unsupported feature in one line."""
+    result, log = run_generate("--budget", "0.5", "--enable-prefix-caching")
+    assert result is None
+    assert "centroidkv: prefix caching is not supported" in log
+
+
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        ({"speculative_config": object()}, "centroidkv: speculative decoding is not supported"),
+        ({"cache_dtype": "fp8"}, "centroidkv: kv_cache_dtype=fp8 is not supported"),
+        ({"isa": "amx"}, "centroidkv: the CPU attention ISA 'amx' is not supported"),
+        ({"window": 512}, "centroidkv: sliding-window attention is not supported"),
+    ],
+)
+def test_each_unsupported_feature_has_its_line(change, line):
+    cache = SimpleNamespace(enable_prefix_caching=False, cache_dtype=change.get("cache_dtype", "auto"))
+    config = SimpleNamespace(cache_config=cache, speculative_config=change.get("speculative_config"))
+    found = refusal(config, change.get("isa", "vec"), change.get("window", -1))
+    assert found is not None and found.startswith(line)
+
+
+@needs_model
+def test_chunked_prefill_compresses_once_the_prompt_is_in_then_every_g():
+    """Prefill in chunks of 256 tokens: the first compression waits for the whole prompt (n), then the
+    request is compressed back to B each time it has grown to B + g, as in the harness."""
+    result, log = run_generate(
+        "--budget",
+        "0.5",
+        "--long-chars",
+        "3000",
+        "--max-tokens",
+        "96",
+        "--compress-interval",
+        "32",
+        "--max-num-batched-tokens",
+        "256",
+    )
+    assert result is not None, log[-3000:]
+    n = result["prompt_tokens"][-1]
+    budget = (n + 96) // 2
+    assert f"logical length {n} compressed from {n} to {budget} entries" in log
+    assert log.count(f"compressed from {budget + 32} to {budget} entries") == 2
+    assert not any(f"logical length {m} compressed" in log for m in range(budget, n))  # none mid-prefill

@@ -1,0 +1,121 @@
+"""The plugin's paged-cache access and its log-degree attention (run in .venv-serve: `make serve-test`)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ops = pytest.importorskip("vllm._custom_ops")
+
+from centroidkv_vllm.paged import degree_attention, read_entries, request_slots, split_cache  # noqa: E402
+
+BLOCK = 128
+HEADS, Q_HEADS, DIM = 3, 9, 64  # the embedded model's grouping (3 query heads per KV head) and head dim
+SCALE = DIM**-0.5
+
+
+def paged_request(length: int, isa: str = "vec", seed: int = 0):
+    """A request of `length` random bf16 entries written by vLLM's kernel into shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = (length + BLOCK - 1) // BLOCK
+    kv_cache = torch.zeros(n_blocks + 3, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+    row = torch.randperm(n_blocks + 2, generator=gen)[:n_blocks].int() + 1  # block 0 is vLLM's null block
+    keys = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
+    values = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
+    slots = request_slots(row, length, BLOCK)
+    ops.cpu_attn_reshape_and_cache(keys, values, *split_cache(kv_cache), slots, isa)
+    return kv_cache, row, slots, keys, values
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_read_entries_reads_what_vllm_wrote(isa):
+    kv_cache, _, slots, keys, values = paged_request(300, isa)
+    read_k, read_v = read_entries(kv_cache, slots)
+    assert torch.equal(read_k, keys.transpose(0, 1)) and torch.equal(read_v, values.transpose(0, 1))
+
+
+def dense_reference(query, keys, values, log_degree):
+    """softmax(scale q.k + log n) v in float64, causal at the end; query [t, Hq, D], keys [L, H, D]."""
+    t, length = query.shape[0], keys.shape[0]
+    k = keys.double().repeat_interleave(Q_HEADS // HEADS, dim=1)  # [L, Hq, D]
+    v = values.double().repeat_interleave(Q_HEADS // HEADS, dim=1)
+    bias = log_degree.double().repeat_interleave(Q_HEADS // HEADS, dim=0)  # [Hq, L]
+    logits = torch.einsum("thd,lhd->htl", query.double(), k) * SCALE + bias[:, None, :]
+    visible = torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.einsum("htl,lhd->thd", logits.softmax(-1), v)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_degree_attention_equals_dense_reference(t):
+    length = 300
+    kv_cache, _, slots, keys, values = paged_request(length)
+    query = torch.randn(t, Q_HEADS, DIM, generator=torch.Generator().manual_seed(1)).bfloat16()
+    degree = torch.randint(1, 50, (HEADS, length), generator=torch.Generator().manual_seed(2)).float()
+    read_k, read_v = read_entries(kv_cache, slots)
+    out = degree_attention(query, read_k, read_v, degree.log(), SCALE)
+    expected = dense_reference(query, keys, values, degree.log())
+    error = (out.double() - expected).abs().max().item()
+    assert error < 1e-2, error  # bf16 output: a relative rounding of 2^-8 on values of order 1
+    unbiased = dense_reference(query, keys, values, torch.zeros_like(degree))
+    assert (unbiased - expected).abs().max().item() > 0.05  # the log-degree term is really there
+
+
+def test_a_centroid_of_degree_n_attends_as_n_copies():
+    """The defining property of log n (arXiv 2506.11418, Sec. 3): one entry of degree n gets the
+    attention mass of n identical tokens."""
+    kv_cache, _, slots, keys, values = paged_request(40)
+    query = torch.randn(1, Q_HEADS, DIM, generator=torch.Generator().manual_seed(3)).bfloat16()
+    read_k, read_v = read_entries(kv_cache, slots)
+    degree = torch.ones(HEADS, 40)
+    degree[:, 7] = 5.0
+    merged = degree_attention(query, read_k, read_v, degree.log(), SCALE)
+    copies = torch.cat([read_k[:, :7], read_k[:, 7:8].expand(-1, 4, -1), read_k[:, 7:]], dim=1)
+    copies_v = torch.cat([read_v[:, :7], read_v[:, 7:8].expand(-1, 4, -1), read_v[:, 7:]], dim=1)
+    repeated = degree_attention(query, copies, copies_v, torch.zeros(HEADS, 44), SCALE)
+    assert (merged.float() - repeated.float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("t", [1, 200])
+def test_degrees_one_equal_vllm_kernel(t):
+    """With every degree 1 the plugin's attention is vLLM's own kernel's, to bf16 rounding."""
+    length = 300
+    kv_cache, row, slots, _, _ = paged_request(length)
+    query = torch.randn(t, Q_HEADS, DIM, generator=torch.Generator().manual_seed(4)).bfloat16()
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+    query_start = torch.tensor([0, t], dtype=torch.int32)
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1,
+        num_heads=Q_HEADS,
+        num_kv_heads=HEADS,
+        head_dim=DIM,
+        seq_lens=seq_lens,
+        dtype=torch.bfloat16,
+        query_start_loc=query_start,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=False,
+    )
+    stock = torch.empty_like(query)
+    key_cache, value_cache = split_cache(kv_cache)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=stock,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        scale=SCALE,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=row[None],
+        softcap=0.0,
+        scheduler_metadata=scheduler,
+        s_aux=None,
+    )
+    read_k, read_v = read_entries(kv_cache, slots)
+    ours = degree_attention(query, read_k, read_v, torch.zeros(HEADS, length), SCALE)
+    error = (ours.float() - stock.float()).abs().max().item()
+    assert error < 1e-2, error
