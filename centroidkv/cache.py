@@ -1,46 +1,24 @@
 """The compressed KV cache: keys, values and log-degrees per layer, and the paper's budget policy.
 
-Budget (docs/method.md, section 2; `centroidkv.budget`): B entries per layer, from the budget ratio R,
-the prompt length n and the maximum number of new tokens Gamma. With `budget_unit="entries"` (the
-paper's accounting) B = R * (n + Gamma); with `budget_unit="bytes"` (the default) B is solved so that
-everything the cache stores (`kv_bytes()`: entries, degrees, entry records, heads kept whole) is R times
-the bytes of a full cache of n + Gamma tokens. After the prefill forward the cache is compressed to B
-when n > B; while decoding it is compressed back to B whenever it reaches B + g (g = the method's
-`compress_interval`). The first `n_sink` and last `n_recent` tokens are never given to the method; for a
-prompt too short for them at the budget, the recent window, then the sinks, shrink to what the budget
-leaves (`centroidkv.budget.fit_protected`), and `protected_used()` records the windows kept.
+Budget (docs/method.md, section 2; `centroidkv.budget`): B entries per compressed head, R * (n + Gamma)
+with `budget_unit="entries"`, or solved so that everything stored is R times a full cache of n + Gamma
+tokens with "bytes" (the default). A layer is compressed to B after the prefill when n > B, and again
+whenever it reaches B + g while decoding (g = `compress_interval`), at the end of its attention call
+(`CompressedLayer.after_attention`): the prefill attention sees the whole prompt, and the full-size
+tensors are replaced by smaller ones as soon as the layer is done. The `n_sink` first and `n_recent`
+last tokens are never given to the method (shrunk for a prompt too short at the budget:
+`fit_protected`; `protected_used()` says what was kept). What a method needs recorded is declared by
+the method and kept by one mechanism (`centroidkv.needs`).
 
-Compression happens at the end of each layer's attention call (the attention function calls
-`CompressedLayer.after_attention`), so the prefill attention always sees the full prompt and a
-layer's full-size tensors are released as soon as that layer is done. Tensors are replaced by
-smaller ones: memory shrinks for real.
+A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
+policy (`centroidkv.heads`) splits the listed heads off at the layer's first compression, kept whole or
+favoured. In entries, heads kept whole are on top of B (as in the paper); in bytes
+(`centroidkv.byte_plan`) every group is paid for by the compressed heads. `kv_ratio()` relates
+`kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to one of n + Gamma tokens.
 
-What a method needs recorded (accumulated attention, query windows, positions) is declared by the
-method and kept by one mechanism (`centroidkv.needs`).
-
-A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`, where the layout of
-the tensors is): one group holds every KV head until the method's head policy (`centroidkv.heads`)
-lists heads for the layer, at its first compression; then the listed heads move to a group of their
-own, kept whole (heads=whole: every token seen, never compressed) or favoured (heads=budget:
-compressed to heads_boost x B), and the attention function runs the groups separately (a query head
-attends to its KV head's group). In entries, heads kept whole are on top of the budget B, which
-applies to the compressed heads (as in the paper); in bytes (`centroidkv.byte_plan`), what every
-group stores is paid for by the compressed heads. `kv_bytes()` counts every stored tensor;
-`kv_ratio()` relates it to a full cache of the tokens seen, `budget_ratio()` to the budget's
-reference, a full cache of n + Gamma tokens.
-
-Decoding writes in place. Every growing tensor (keys, values, log-degrees, entry records, whole
-heads) is the live prefix `buffer[:, :, :length]` of a preallocated buffer with headroom, so a decode
-step copies one token into the buffer instead of `torch.cat`-ing the whole cache:
-  - a compression writes its result into a new buffer of B + g entries (g = `compress_interval`),
-    exactly what is needed until the next compression;
-  - otherwise (the full cache, heads kept whole) a cache's first buffer has room for the
-    max_new_tokens it was planned for, and buffers grow geometrically (x2) past that.
-Buffers are never shared: a fork starts from the source's live views and allocates its own buffer on
-its first write, and a tensor replaced from outside (a batch reorder, another library's hook) simply drops its
-buffer. Writes go only past a buffer's live length, so a view another cache holds never changes.
-`kv_bytes()` counts the live entries; `kv_capacity_bytes()` counts the buffers.
-`CompressedCache(in_place=False)` restores the old `torch.cat` path (benchmarks compare the two).
+Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
+buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
+`kv_capacity_bytes()` the buffers; `CompressedCache(in_place=False)` concatenates instead.
 
 Two lengths are kept apart: `get_seq_length()` reports the tokens *seen* (transformers derives
 position ids from it, and new tokens must keep their original positions), while the physical length
@@ -421,15 +399,9 @@ class CompressedCache(Cache):
         needs: Iterable[Need] = (),
         budget_unit: str | None = None,
     ) -> CompressedCache:
-        """A new cache over the same entries with another method or budget, already compressed
-        (`budget_unit` None: this cache's).
-
-        This is how one prefill serves many (method, budget) runs: tensors are shared, not copied.
-        Compression replaces tensors, and decoding writes only past the live length of buffers the
-        writing cache owns (a fork owns none until its first write), so a shared view never changes. The source
-        cache must have recorded what the new method needs, and `needs` (records to carry along,
-        e.g. for a diagnostic).
-        """
+        """A new cache over the same entries (shared, never modified: `centroidkv.head_group`) with
+        another method or budget, already compressed: how one prefill serves many runs. This cache
+        must have recorded what the method needs and `needs` (records to carry along)."""
         twin = CompressedCache(
             method,
             budget,
@@ -451,11 +423,7 @@ class CompressedCache(Cache):
         """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
         whose budget holds no entry at all (known as soon as the prompt is in)."""
         for layer in self.layers:
-            if (
-                not (self.method.compresses and layer.compresses)
-                or layer.length == 0
-                or layer.keys.shape[1] == 0
-            ):
+            if not (self.method.compresses and layer.compresses and layer.length and layer.keys.shape[1]):
                 continue  # as in needs_compression: nothing to compress here
             if layer.length + n_new_tokens > layer.budget_len + self.method.compress_interval - 1:
                 layer.check_protected_fit()
@@ -471,24 +439,24 @@ class CompressedCache(Cache):
 
     def full_kv_bytes(self) -> int:
         """Bytes the keys and values of every token seen would take in a full cache of the same dtype."""
-        total = 0
-        for layer in self.layers:
-            if layer.keys is not None and layer.keys.dim() == 4:
-                batch, _, _, head_dim = layer.keys.shape
-                n_heads = len(layer.head_lengths())
-                entries = self.layer_entries(layer.layer_idx, layer.n_seen)
-                total += 2 * batch * n_heads * entries * head_dim * layer.dtype.itemsize
-        return total
+        return self._full_bytes(lambda layer: layer.n_seen)
 
     def reference_bytes(self) -> int:
         """Bytes of the budget's reference: a full cache (keys and values, same dtype) of the prompt
         plus `max_new_tokens` tokens; R times this is what a byte budget stores."""
+        return self._full_bytes(
+            lambda layer: None if layer.prompt_len is None else layer.prompt_len + self.max_new_tokens
+        )
+
+    def _full_bytes(self, tokens_of: Callable[[CompressedLayer], int | None]) -> int:
+        """Bytes of a full cache holding `tokens_of(layer)` tokens in each layer (None: nothing)."""
         total = 0
         for layer in self.layers:
-            if layer.prompt_len is not None and layer.keys is not None and layer.keys.dim() == 4:
+            tokens = tokens_of(layer)
+            if tokens is not None and layer.keys is not None and layer.keys.dim() == 4:
                 batch, _, _, head_dim = layer.keys.shape
-                full_len = self.layer_entries(layer.layer_idx, layer.prompt_len + self.max_new_tokens)
-                total += 2 * batch * len(layer.head_lengths()) * full_len * head_dim * layer.dtype.itemsize
+                entries = self.layer_entries(layer.layer_idx, tokens)
+                total += 2 * batch * len(layer.head_lengths()) * entries * head_dim * layer.dtype.itemsize
         return total
 
     def budget_ratio(self) -> float:
