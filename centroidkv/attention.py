@@ -41,8 +41,8 @@ def degree_attention(
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
-    When the layer's head policy split its KV heads (`CompressedLayer.whole_heads` or `.favoured`),
-    `key`/`value` hold the compressed heads only and the other group is read from the layer: each
+    When the layer's head policy split its KV heads into groups (`centroidkv.head_group`),
+    `key`/`value` hold the main group's heads only and the others are read from the layer: each
     group runs its own attention, a query head with the group of its KV head, and each group's records
     (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
@@ -85,52 +85,45 @@ def layer_attention(
         if layer is not None:
             layer.after_attention(query, scale)
         return output
-    log_degree = None if layer is None else layer.log_degree
-    tracks = layer is not None and layer.tracks_attention
-    if layer is None or layer.compressed_heads is None:
-        output, received = _group_attention(query, key, value, log_degree, scaling, scale, dropout, tracks)
-        if layer is not None:
-            layer.after_attention(query, scale, received)
+    if layer is None:
+        return _group_attention(query, key, value, None, scaling, scale, dropout, False)[0]
+    if not layer.split:
+        main = layer.main
+        output, received = _group_attention(
+            query, key, value, main.log_degree, scaling, scale, dropout, main.tracks_attention
+        )
+        layer.after_attention(query, scale, received)
         return output
-    # The heads are split in two groups (heads kept whole, or the favoured heads' own layer): each
-    # group runs its own attention, a query head with the group of its KV head.
-    favoured = layer.favoured
-    other_heads = layer.whole_heads if favoured is None else layer.favoured_heads
-    group = query.shape[1] // (len(layer.compressed_heads) + len(other_heads))
-    by_kv_head = query.unflatten(1, (-1, group))  # [B, Hkv, group, q, D]
-    compressed_q = by_kv_head[:, layer.compressed_heads].flatten(1, 2)
-    other_q = by_kv_head[:, other_heads].flatten(1, 2)
-    compressed, received = _group_attention(
-        compressed_q, key, value, log_degree, scaling, scale, dropout, tracks
-    )
-    if favoured is None:
-        other, _ = _group_attention(
-            other_q,
-            layer.read("whole_keys"),
-            layer.read("whole_values"),
-            None,
-            scaling,
-            scale,
-            dropout,
-            False,
+    return _split_attention(query, key, value, layer, scaling, scale, dropout)
+
+
+def _split_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layer: CompressedLayer,
+    scaling: float | None,
+    scale: float,
+    dropout: float,
+) -> Tensor:
+    """A layer whose heads are split in groups (`centroidkv.head_group`): each group runs its own
+    attention, a query head with the group of its KV head; `key`/`value` are the main group's."""
+    groups = layer.groups
+    group_size = query.shape[1] // sum(len(group.heads) for group in groups)
+    by_kv_head = query.unflatten(1, (-1, group_size))  # [B, Hkv, group, q, D]
+    queries = [by_kv_head[:, group.heads].flatten(1, 2) for group in groups]
+    outputs, received = [], []
+    for group, group_query in zip(groups, queries, strict=True):
+        keys, values = (key, value) if group is layer.main else (group.read("keys"), group.read("values"))
+        output, got = _group_attention(
+            group_query, keys, values, group.log_degree, scaling, scale, dropout, group.tracks_attention
         )
-    else:
-        other, other_received = _group_attention(
-            other_q,
-            favoured.read("keys"),
-            favoured.read("values"),
-            favoured.log_degree,
-            scaling,
-            scale,
-            dropout,
-            favoured.tracks_attention,
-        )
-        favoured.after_attention(other_q, scale, other_received)
-    layer.after_attention(compressed_q, scale, received)
+        outputs.append(output.unflatten(2, (-1, group_size)))
+        received.append(got)
+    layer.after_attention(queries, scale, received)
     # back to the model's head order: KV head h's query heads are rows h * group .. h * group + group - 1
-    order = torch.cat([layer.compressed_heads, other_heads]).argsort()
-    output = torch.cat([compressed.unflatten(2, (-1, group)), other.unflatten(2, (-1, group))], dim=2)
-    return output[:, :, order].flatten(2, 3)
+    order = torch.cat([group.heads for group in groups]).argsort()
+    return torch.cat(outputs, dim=2)[:, :, order].flatten(2, 3)
 
 
 def _group_attention(

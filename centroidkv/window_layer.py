@@ -31,65 +31,30 @@ def sliding_windows(config) -> dict[int, int]:
 
 
 class WindowLayer(CompressedLayer):
-    """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring)."""
+    """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring), one
+    head group of role "window" (`centroidkv.head_group`: no records, the model's dtype, buffers of W)."""
 
     compresses = False
+    main_role = "window"
 
     def __init__(self, owner: CompressedCache, layer_idx: int, window: int):
         super().__init__(owner, layer_idx)
         self.window = window
 
-    def add(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Append the new tokens' keys and values (no records: nothing here is ever compressed)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.length == 0:
-            self.keys, self.values = key_states, value_states
-        else:
-            self._append("keys", key_states)
-            self._append("values", value_states)
-        self.n_seen += key_states.shape[2]
-        if self.prompt_len is None:
-            self.prompt_len = key_states.shape[2]
-
-    def settle(self) -> None:
-        """Window layers stay in the model's dtype whatever the storage precision."""
-
-    @property
-    def tracks_attention(self) -> bool:
-        return False
-
-    @property
-    def budget_len(self) -> int | None:
-        return None if self.prompt_len is None else self.window - 1
-
-    def _capacity(self, slot: str, needed: int, first: bool) -> int:
-        return max(needed, self.window)  # the kept entries and the next token
+    def check_planned_room(self) -> None:
+        """Nothing to check: a window layer is never compressed."""
 
     def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
         """Drop what the next token will not see: keep the last `window - 1` entries, in a buffer of
         their own (a slice would keep the whole prompt's tensors alive)."""
         self.scaling = scaling
         self.query_group = query.shape[1] // max(1, self.keys.shape[1])
-        keep = self.window - 1
+        keep, group = self.window - 1, self.main
         if self.length <= keep:
             return
         for slot in ("keys", "values"):
-            live = self._get(slot)
-            buffer = live.new_empty(*live.shape[:2], self.window, *live.shape[3:])
-            buffer[:, :, :keep] = live[:, :, live.shape[2] - keep :]
-            self._store(slot, buffer, keep)
-
-    def needs_compression(self) -> bool:
-        return False
-
-    def fork(self, owner: CompressedCache) -> WindowLayer:
-        """A layer for another cache sharing this one's tensors (never modified in place)."""
-        twin = WindowLayer(owner, self.layer_idx, self.window)
-        for attr in ("keys", "values", "scaling", "query_group", "n_seen", "prompt_len"):
-            setattr(twin, attr, getattr(self, attr))
-        twin.is_initialized, twin.dtype, twin.device = self.is_initialized, self.dtype, self.device
-        return twin
+            live = getattr(group, slot)
+            group.store_new(slot, live[:, :, live.shape[2] - keep :], self.window)
 
 
 CompressedCache.window_layer_class = WindowLayer

@@ -59,7 +59,7 @@ def test_every_native_method_stores_r_times_the_full_cache_after_every_compressi
     assert cache.kv_bytes() == pytest.approx(target, rel=0.01)
     assert cache.budget_ratio() == pytest.approx(budget, rel=0.01)
     if name == "centroidkv":  # its outlier heads are kept whole and paid for by the other heads
-        assert any(layer.whole_heads is not None for layer in cache.layers)
+        assert any(layer.group("whole") is not None for layer in cache.layers)
         assert max(cache.seq_lengths()) < int(budget * (prompt.shape[1] + MAX_NEW))
     token, seen = shared_prefill.first_token, []
     with torch.inference_mode():

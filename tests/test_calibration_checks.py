@@ -315,5 +315,5 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
     )
     write(user_head_file("tiny-llama"), head_data("tiny-llama", 2, 2))  # the last head is the worst
     cache = compressed()
-    assert cache.layers[0].whole_heads is None and cache.layers[1].whole_heads.tolist() == [1]
+    assert cache.layers[0].group("whole") is None and cache.layers[1].group("whole").heads.tolist() == [1]
     assert cache.layers[1].keys.shape[-2] == 150  # the other head was compressed to the budget

@@ -27,6 +27,12 @@ CONTEXT = (NOISE + " ") * 6 + "The special magic number for quiet-river is: 4827
 QUESTION = "What is the special magic number for quiet-river?"
 
 
+def whole_of(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The keys and values of a layer's heads kept whole, as they are now (None: none kept whole)."""
+    whole = layer.group("whole")
+    return None if whole is None else (whole.keys, whole.values)
+
+
 def record_logits(model, into: list[torch.Tensor]):
     return model.lm_head.register_forward_hook(
         lambda module, args, output: into.append(output[0, -1].clone())
@@ -62,8 +68,7 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     try:
         fork = start_fork(model, prefilled, "centroidkv", 1 - RATIO, 0, question_ids, budget_unit="entries")
         native_layers = [
-            (layer.keys, layer.values, layer.log_degree, layer.whole_keys, layer.whole_values)
-            for layer in fork.cache.layers
+            (layer.keys, layer.values, layer.log_degree, whole_of(layer)) for layer in fork.cache.layers
         ]
         generation = decode_forks(model, [fork], NEW_TOKENS)[0]
     finally:
@@ -74,17 +79,19 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     assert len(cache.layers) == len(native_layers) == model.config.num_hidden_layers
     merged = 0
     for index, (layer, native) in enumerate(zip(cache.layers, native_layers, strict=True)):
-        keys, values, log_degree, whole_keys, whole_values = native
+        keys, values, log_degree, whole = native
         kept = keys.shape[2]
         assert kept == budget + q, f"layer {index}: native keeps {kept}"
         assert layer.keys.shape[2] < n, f"layer {index}: the pipeline's cache was not shrunk"
         torch.testing.assert_close(layer.keys[:, :, :kept], keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(layer.values[:, :, :kept], values, rtol=0, atol=1e-5)
         torch.testing.assert_close(layer.log_degree[:, :, :kept], log_degree, rtol=0, atol=1e-6)
-        if whole_keys is not None:  # heads kept whole (the paper's outlier heads): every token
+        if whole is not None:  # heads kept whole (the paper's outlier heads): every token
+            whole_keys, whole_values = whole
             assert whole_keys.shape[2] == n + q
-            torch.testing.assert_close(layer.whole_keys[:, :, : n + q], whole_keys, rtol=0, atol=1e-5)
-            torch.testing.assert_close(layer.whole_values[:, :, : n + q], whole_values, rtol=0, atol=1e-5)
+            pipeline_whole = layer.group("whole")
+            torch.testing.assert_close(pipeline_whole.keys[:, :, : n + q], whole_keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(pipeline_whole.values[:, :, : n + q], whole_values, rtol=0, atol=1e-5)
         merged += int((log_degree > 0).sum())
     assert merged > 0, "no entry was merged: the comparison would not exercise the degrees"
 
@@ -98,7 +105,7 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     # pipeline ran the degree-aware attention
     control = prefilled.cache.fork("centroidkv", 1 - RATIO, 0, budget_unit="entries")
     for layer in control.layers:
-        layer.log_degree = torch.zeros_like(layer.log_degree)
+        layer.main.log_degree = torch.zeros_like(layer.log_degree)
     with control.paused():
         no_degrees = model(question_ids, past_key_values=control, logits_to_keep=1).logits[0, -1]
     assert float((no_degrees - native_logits[0]).abs().max()) > 1e-3

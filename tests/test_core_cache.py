@@ -173,12 +173,14 @@ def test_cache_refuses_unprepared_model(tiny_model):
 
 
 class _FakeLayer:
+    """A layer that is not split: its one group (`main`) is itself."""
+
     tracks_attention = False
-    whole_heads = None
-    compressed_heads = None
+    split = False
 
     def __init__(self, log_degree):
         self.log_degree = log_degree
+        self.main = self
 
     def after_attention(self, query, scaling, received=None):
         pass
@@ -219,7 +221,7 @@ def test_half_precision_model_stays_finite_with_degrees_up_to_1e5(tiny_model, dt
     cache = CompressedCache(method, budget=0.3, max_new_tokens=10, budget_unit="entries")
     model(prompt(300), past_key_values=cache)
     for layer in cache.layers:
-        layer.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
+        layer.main.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
     logits = model(torch.tensor([[5]]), past_key_values=cache).logits
     assert torch.isfinite(logits).all()
     # A smaller budget puts every layer over it: compress_now must merge at these degrees.

@@ -82,7 +82,7 @@ def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_pat
         for source, layer in zip(recorder.layers, cache.layers, strict=True):
             middle = LayerKV(source.keys[:, :, 16:-64], source.values[:, :, 16:-64], torch.zeros(1, 2, 220))
             expected = csm_compress(middle, 120 - 80, 32, LinearSchedule(0.5, 0.0, 0.1))
-            assert layer.whole_heads is None
+            assert layer.group("whole") is None
             assert torch.equal(layer.keys[:, :, 16:-64], expected.keys)
             assert torch.equal(layer.values[:, :, 16:-64], expected.values)
             assert torch.equal(layer.log_degree[:, :, 16:-64], expected.log_degree)
@@ -100,8 +100,8 @@ def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_mode
     cache = recorder.fork(method, 0.4)
     assert cache.head_lengths() == [[120, 300], [300, 120]]
     for layer, whole in zip(cache.layers, (1, 0), strict=True):
-        assert layer.whole_heads.tolist() == [whole]
-        assert torch.equal(layer.whole_keys[:, 0], recorder.layers[layer.layer_idx].keys[:, whole])
+        assert layer.group("whole").heads.tolist() == [whole]
+        assert torch.equal(layer.group("whole").keys[:, 0], recorder.layers[layer.layer_idx].keys[:, whole])
         assert layer.keys.shape[1] == 1  # the compressed tensor holds the other head only
     head_dim = tiny_model.config.hidden_size // tiny_model.config.num_attention_heads
     # per compressed entry: float32 key + value + log-degree + position; per whole entry: key + value;
@@ -115,22 +115,30 @@ def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_mode
     assert cache.head_lengths() == [[121, 301], [301, 121]]
 
 
-class _SplitLayer:
+class _Group:
+    """A head group as the attention reads it: its KV head ids, entries and log-degrees."""
+
     tracks_attention = False
-    favoured = None
+
+    def __init__(self, heads, keys=None, values=None, log_degree=None):
+        self.heads, self.keys, self.values, self.log_degree = torch.tensor(heads), keys, values, log_degree
+
+    def read(self, name: str):  # the stored tensor, dequantized (here: stored as it is)
+        return getattr(self, name)
+
+
+class _SplitLayer:
+    """A layer split in two groups: the compressed heads (the main group) and the heads kept whole."""
+
+    split = True
 
     def __init__(self, keys, values, log_degree, whole):
-        n_heads = keys.shape[1]
-        self.whole_heads = torch.tensor(whole)
-        self.compressed_heads = torch.tensor([h for h in range(n_heads) if h not in whole])
-        self.whole_keys, self.whole_values = keys[:, self.whole_heads], values[:, self.whole_heads]
-        self.log_degree = log_degree
+        rest = [h for h in range(keys.shape[1]) if h not in whole]
+        self.main = _Group(rest, log_degree=log_degree)
+        self.groups = [self.main, _Group(whole, keys[:, whole], values[:, whole])]
 
     def after_attention(self, query, scaling, received=None):
         pass
-
-    def read(self, name: str):  # the cache's stored tensor, dequantized (here: stored as it is)
-        return getattr(self, name)
 
 
 def test_under_gqa_an_outlier_heads_queries_see_all_its_entries():

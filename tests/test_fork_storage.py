@@ -17,13 +17,14 @@ from torch import Tensor
 from centroidkv import CompressedCache
 from centroidkv.cache import CompressedLayer
 from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
+from centroidkv.head_group import HeadGroup
 from tests.test_head_policies import BUDGETS, NATIVE, NEW_TOKENS, UNDER, build, head_file, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reachable(obj: object, seen: set[int] | None = None, buffers: bool = False) -> list[Tensor]:
-    """Every tensor held by a cache, its layers, their dicts, dataclasses and the favoured layers (distinct
+    """Every tensor held by a cache, its layers, their head groups, dicts and dataclasses (distinct
     objects); with `buffers`, also the in-place buffers behind the live views."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
@@ -33,10 +34,10 @@ def reachable(obj: object, seen: set[int] | None = None, buffers: bool = False) 
         return [obj]
     if isinstance(obj, CompressedCache):
         return [t for layer in obj.layers for t in reachable(layer, seen, buffers)]
-    if isinstance(obj, CompressedLayer):
+    if isinstance(obj, (CompressedLayer, HeadGroup)):
         found = []
         for name, value in vars(obj).items():
-            if name == "_owner" or (name == "_buffers" and not buffers):
+            if name in ("_owner", "_layer") or (name == "_buffers" and not buffers):
                 continue
             found += reachable(value, seen, buffers)
         return found

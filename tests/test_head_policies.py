@@ -76,28 +76,28 @@ def test_every_native_method_runs_each_policy_at_the_budget_s_bytes(tiny_model, 
         # R of the reference, in bytes
         assert -UNDER.get(name, 0.01) < (forks[0].measured["kv_budget_ratio"] - budget) / budget < 0.01
         layer = cache.layers[0]
-        listed = layer.whole_heads if policy == "whole" else layer.favoured_heads
-        assert listed.tolist() == [1] and layer.compressed_heads.tolist() == [0]
+        listed = layer.group("whole" if policy == "whole" else "favoured")
+        assert listed.heads.tolist() == [1] and layer.main.heads.tolist() == [0]
         if policy == "budget":  # the favoured head is compressed too, to more entries than the other
-            assert layer.length < layer.favoured.length < PROMPT_LEN
+            assert layer.length < listed.length < PROMPT_LEN
         else:
-            assert torch.equal(layer.whole_keys, prefilled.cache.layers[0].keys[:, [1]])
-            assert torch.equal(layer.whole_values, prefilled.cache.layers[0].values[:, [1]])
+            assert torch.equal(listed.keys, prefilled.cache.layers[0].keys[:, [1]])
+            assert torch.equal(listed.values, prefilled.cache.layers[0].values[:, [1]])
         decode_forks(tiny_model, forks, NEW_TOKENS, eos_token_ids=set())  # batched when two forks
     assert layer.n_compressions > 1  # re-compressed while decoding
     seen = PROMPT_LEN + NEW_TOKENS - 1
     assert layer.n_seen == seen
     if policy == "whole":  # every token seen, never compressed
-        assert layer.whole_keys.shape[2] == seen
+        assert listed.keys.shape[2] == seen
     else:
-        assert layer.favoured.length <= layer.favoured.budget_len + method.compress_interval - 1
-        assert layer.favoured.n_compressions >= 1
+        assert listed.length <= listed.budget_len + method.compress_interval - 1
+        assert listed.n_compressions >= 1
     # every stored tensor is counted, and what decoding adds stays within the g-token slack per head
     heads = len(layer.head_lengths())
     slack = cache.n_layers * heads * method.compress_interval * 2 * layer.keys.shape[-1] * 4 * 2
     assert cache.kv_bytes() <= budget * cache.reference_bytes() + slack
     if policy == "whole" and plain is not None:  # the plain run shares the prefill and is unaffected
-        assert forks[1].cache.layers[0].compressed_heads is None
+        assert not forks[1].cache.layers[0].split
 
 
 def test_duo_attention_keeps_sinks_and_recent_on_streaming_heads(tiny_model, tmp_path):
@@ -110,18 +110,17 @@ def test_duo_attention_keeps_sinks_and_recent_on_streaming_heads(tiny_model, tmp
     for index, layer in enumerate(cache.layers):
         full = prefilled.cache.layers[index]
         budget = layer.length
-        if layer.compressed_heads is None:  # no head listed here: every head streams
+        if not layer.split:  # no head listed here: every head streams
             streaming = list(range(full.keys.shape[1]))
         else:
-            streaming = layer.compressed_heads.tolist()
-            whole = layer.whole_heads.tolist()
-            assert torch.equal(layer.whole_keys, full.keys[:, whole])  # the retrieval head, whole
+            streaming, whole = layer.main.heads.tolist(), layer.group("whole")
+            assert torch.equal(whole.keys, full.keys[:, whole.heads])  # the retrieval head, whole
         kept = torch.cat(
             [torch.arange(SMALL["n_sink"]), torch.arange(PROMPT_LEN - (budget - SMALL["n_sink"]), PROMPT_LEN)]
         )
         assert budget < PROMPT_LEN
         assert torch.equal(layer.keys, full.keys[:, streaming][:, :, kept])
-    assert cache.layers[0].whole_heads.tolist() == [1]
+    assert cache.layers[0].group("whole").heads.tolist() == [1]
 
 
 def test_a_head_policy_is_refused_where_it_cannot_apply():

@@ -106,10 +106,10 @@ def test_decode_steps_write_into_one_buffer_between_compressions(tiny_model, tmp
     assert len(changes(compressions)) >= (3 if name != "full" else 0)
     layer = cache.layers[0]
     if name == "full":  # the fork's first buffer: the prompt and question + the planned generation
-        assert layer._buffers["keys"][0].shape[2] == PROMPT_LEN + 6 + STEPS
+        assert layer.main._buffers["keys"][0].shape[2] == PROMPT_LEN + 6 + STEPS
     else:  # a compression's buffer holds B + g entries
-        assert layer._buffers["keys"][0].shape[2] == layer.budget_len + method.compress_interval
-        assert layer._buffers["log_degree"][0].shape[2] == layer.budget_len + method.compress_interval
+        assert layer.main._buffers["keys"][0].shape[2] == layer.budget_len + method.compress_interval
+        assert layer.main._buffers["log_degree"][0].shape[2] == layer.budget_len + method.compress_interval
 
 
 def test_forks_never_see_each_others_tokens(tiny_model):

@@ -1,0 +1,429 @@
+"""One group of a layer's KV heads and everything the cache stores for it.
+
+A method's head policy (`centroidkv.heads`) splits a layer's KV heads into groups at its first
+compression; until then, and under `heads=none`, one group holds every head. A group's `role` says
+what happens to it:
+
+  "compressed"  compressed to the layer's budget B (every head under heads=none);
+  "whole"       heads=whole's listed heads: every token seen, never compressed, no records;
+  "favoured"    heads=budget's listed heads: compressed to heads_boost x B (`favoured_len`);
+  "window"      a hybrid model's window layer: its last W - 1 tokens (`centroidkv.window_layer`).
+
+Layout of a group (H_g its KV heads, H_q their query heads):
+  keys, values   [B, H_g, T, D]   entries (in the storage format: `centroidkv.quantization`)
+  log_degree     [B, H_g, T]      float32 log of each entry's degree (None while all degrees are 1)
+  extras[name]   [B, H_g, T]      entry records, aligned with the entries (`centroidkv.needs`)
+  windows[name]  [B, H_q, w, ...] window records (e.g. the last w queries) of its query heads
+  packed[slot]   the integer codes of a slot's oldest entries; the slot then holds the residual
+  heads          [H_g] the layer's KV head ids it holds (None: every head, the layer is not split)
+
+In-place decoding: every growing tensor is the live prefix `buffer[:, :, :length]` of a buffer with
+headroom (`_capacity`), so a decode step copies one token instead of concatenating the whole cache.
+A buffer is never shared: a fork starts from the source's live views and allocates its own buffer on
+its first write, so a view another cache holds never changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from centroidkv.budget import fit_protected
+from centroidkv.compression import compress_protected
+from centroidkv.heads import favoured_len
+from centroidkv.kv import LayerKV, LayerStats
+from centroidkv.needs import RECORDERS
+from centroidkv.quantization import PackedCodes, concat, dequantize, quantize, value_group
+
+# centroidkv.cache's classes, named for the reader but not imported: that module imports this one, and
+# the import picture has no circles (tests/test_import_cycles.py), type-only imports included.
+CompressedCache = Any
+CompressedLayer = Any
+
+ROLES = ("compressed", "whole", "favoured", "window")
+# The slots a storage precision converts, and the axis of their integer codes: keys per channel,
+# values per token (KIVI).
+STORED_SLOTS = {"keys": "channel", "values": "token"}
+
+
+class HeadGroup:
+    """Some KV heads of one layer and what is stored for them (module docstring)."""
+
+    def __init__(self, layer: CompressedLayer, role: str = "compressed", heads: Tensor | None = None):
+        if role not in ROLES:
+            raise ValueError(f"a head group's role is one of {', '.join(ROLES)}, got {role!r}")
+        # Weak: layer -> group -> layer would be a reference cycle, kept alive until the cycle collector.
+        self._layer = weakref.ref(layer)
+        self.role = role
+        self.heads = heads
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.log_degree: Tensor | None = None
+        self.extras: dict[str, Tensor] = {}
+        self.windows: dict[str, Tensor] = {}
+        self.packed: dict[str, PackedCodes] = {}
+        self.n_compressions = 0
+        self.protected_used: tuple[int, int] | None = None  # (n_sink, n_recent) of its last compression
+        # slot ("keys", "log_degree", "extras.<name>") -> (buffer, the live view of it last stored there)
+        self._buffers: dict[str, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def layer(self) -> CompressedLayer:
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError("this head group outlived its cache layer")
+        return layer
+
+    @property
+    def owner(self) -> CompressedCache:
+        return self.layer.owner
+
+    @property
+    def records(self) -> bool:
+        """Whether this group keeps degrees and records (heads that are never compressed keep none)."""
+        return self.role in ("compressed", "favoured")
+
+    @property
+    def n_heads(self) -> int:
+        return 0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        """Entries per head (codes and residual)."""
+        return self.slot_length("keys")
+
+    def slot_length(self, slot: str) -> int:
+        live, packed = self._get(slot), self.packed.get(slot)
+        return (0 if live is None or live.dim() < 4 else live.shape[2]) + (
+            0 if packed is None else packed.length
+        )
+
+    @property
+    def budget_len(self) -> int | None:
+        """Entries per head this group is compressed to (None: never compressed, or no prompt yet)."""
+        layer = self.layer
+        if layer.prompt_len is None or self.role == "whole":
+            return None
+        if self.role == "window":
+            return layer.window - 1
+        budget = self.owner.layer_budget_len(layer)
+        if self.role == "favoured":
+            owner = self.owner
+            return favoured_len(budget, owner.method.heads_boost, layer.prompt_len + owner.max_new_tokens)
+        return budget
+
+    @property
+    def tracks_attention(self) -> bool:
+        """Whether the attention function must compute the attention each entry receives."""
+        return self.records and any(RECORDERS[name].uses_received for name in self.owner.entry_needs)
+
+    # --- storing tokens ---------------------------------------------------------------------------
+    def add(self, key_states: Tensor, value_states: Tensor, n_seen: int) -> None:
+        """Store the new tokens' keys and values [B, H_g, q, D] (tokens n_seen.. of the layer) and
+        their records."""
+        batch, heads, new_tokens = key_states.shape[:3]
+        if self.length == 0:  # the first tokens: keep the projections as they are, no copy
+            self.keys, self.values = key_states, value_states
+        else:
+            self._append("keys", key_states)
+            self._append("values", value_states)
+        if self.role != "window" and self.owner.storage.precision != "model":
+            self.settle()
+        if not self.records:
+            return
+        if self.log_degree is not None:
+            self._append("log_degree", key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32))
+        for name in self.owner.entry_needs:
+            new = RECORDERS[name].initial(n_seen, (batch, heads, new_tokens), key_states.device)
+            if name in self.extras:
+                self._append(f"extras.{name}", new)
+            else:
+                self.extras[name] = new
+
+    def read(self, slot: str) -> Tensor:
+        """The entries of `slot` ("keys" or "values") in the model's dtype: the stored tensor itself at
+        the model's precision, else a transient dequantized copy."""
+        live, packed, dtype = self._get(slot), self.packed.get(slot), self.layer.dtype
+        if packed is None:
+            return live if live.dtype == dtype else live.to(dtype)
+        return torch.cat([dequantize(packed, dtype), live.to(dtype)], dim=2)
+
+    def settle(self) -> None:
+        """Bring keys and values to the cache's storage format: the float dtype it names, or, for
+        integer codes, every whole group beyond the residual window quantized (KIVI's order: a token
+        leaves the full-precision residual a group at a time)."""
+        if self.role == "window":  # window layers stay in the model's dtype
+            return
+        storage, dtype = self.owner.storage, self.layer.dtype
+        for slot, axis in STORED_SLOTS.items():
+            live = self._get(slot)
+            if live is None or live.dim() < 4:
+                continue
+            packed = self.packed.get(slot)
+            group = storage.group if axis == "channel" else value_group(storage.group, live.shape[-1])
+            if packed is not None and (packed.bits != storage.bits or packed.group != group):
+                live, packed = self.read(slot), None  # codes of another format: start again from floats
+                self.packed.pop(slot)
+                self._set(slot, live)
+            if not storage.integer:
+                if live.dtype != (storage.float_dtype or dtype):
+                    self._set(slot, live.to(storage.float_dtype or dtype))
+                    self._buffers.pop(slot, None)
+                continue
+            if live.dtype != dtype:
+                live = live.to(dtype)
+                self._set(slot, live)
+            moved = storage.quantized_length(live.shape[2])
+            if moved:
+                self.packed[slot] = concat(
+                    packed, quantize(live[:, :, :moved], storage.bits, storage.group, axis)
+                )
+                self._keep_residual(slot, live[:, :, moved:])
+
+    def _keep_residual(self, slot: str, residual: Tensor) -> None:
+        """Store `residual` (a view into a larger tensor) in a buffer of its own with room for the
+        tokens decoded until its next group is quantized."""
+        if not self.owner.in_place:
+            self._set(slot, residual.clone())
+            self._buffers.pop(slot, None)
+            return
+        length = residual.shape[2]
+        capacity = self._capacity(slot, length, first=False)
+        buffer = residual.new_empty(*residual.shape[:2], capacity, *residual.shape[3:])
+        buffer[:, :, :length] = residual
+        self._store(slot, buffer, length)
+
+    # --- in-place buffers (module docstring) -----------------------------------------------------
+    def _get(self, slot: str) -> Tensor | None:
+        if slot.startswith("extras."):
+            return self.extras.get(slot.removeprefix("extras."))
+        return getattr(self, slot)
+
+    def _set(self, slot: str, live: Tensor) -> None:
+        if slot.startswith("extras."):
+            self.extras[slot.removeprefix("extras.")] = live
+        else:
+            setattr(self, slot, live)
+
+    def _append(self, slot: str, new: Tensor) -> None:
+        """Append `new` along dim 2 to the tensor in `slot`: in place when its buffer has room."""
+        live = self._get(slot)
+        if not self.owner.in_place:
+            self._set(slot, torch.cat([live, new], dim=2))
+            return
+        length, needed = live.shape[2], live.shape[2] + new.shape[2]
+        buffer, view = self._buffers.get(slot, (None, None))
+        if view is not live or buffer.shape[2] < needed:  # no buffer, a replaced tensor, or full
+            capacity = self._capacity(slot, needed, first=view is not live)
+            buffer = live.new_empty(*live.shape[:2], capacity, *live.shape[3:])
+            buffer[:, :, :length] = live
+        buffer[:, :, length:needed] = new
+        self._store(slot, buffer, needed)
+
+    def _store(self, slot: str, buffer: Tensor, length: int) -> None:
+        live = buffer[:, :, :length]
+        self._buffers[slot] = (buffer, live)
+        self._set(slot, live)
+
+    def store_new(self, slot: str, entries: Tensor, capacity: int) -> None:
+        """Store `entries` in a new buffer of `capacity` entries."""
+        buffer = entries.new_empty(*entries.shape[:2], capacity, *entries.shape[3:])
+        buffer[:, :, : entries.shape[2]] = entries
+        self._store(slot, buffer, entries.shape[2])
+
+    def drop_stale_buffer(self, slot: str) -> None:
+        """Forget the buffer of `slot` once the slot holds another tensor (a record recomputed out of
+        place): the buffer would otherwise stay allocated, uncounted by `capacity_bytes`."""
+        held = self._buffers.get(slot)
+        if held is not None and held[1] is not self._get(slot):
+            del self._buffers[slot]
+
+    def _capacity(self, slot: str, needed: int, first: bool) -> int:
+        """Entries to allocate for `slot` when `needed` no longer fit. `first`: the slot has no buffer
+        of its own yet (e.g. the first step after a fork)."""
+        owner, layer = self.owner, self.layer
+        if self.role == "window":
+            return max(needed, layer.window)  # the kept entries and the next token
+        if owner.storage.integer and slot in STORED_SLOTS:
+            # the residual: it holds residual .. residual + group - 1 entries between quantizations
+            return max(needed, owner.storage.residual + owner.storage.group)
+        if owner.method.compresses and layer.prompt_len is not None and self.role != "whole":
+            # compressed entries: room for the g tokens decoded before the next compression
+            return max(self.budget_len, needed) + owner.method.compress_interval
+        if first and owner.max_new_tokens:
+            # the generation the cache was planned for: of max_new_tokens generated tokens all but
+            # the last are fed back, so max_new_tokens - 1 more after this write
+            return needed + owner.max_new_tokens - 1
+        return 2 * needed
+
+    # --- what it stores --------------------------------------------------------------------------
+    def own_tensors(self) -> list[Tensor]:
+        """Entries, degrees, entry records and codes (what grows with the entries)."""
+        parts = [
+            self.keys,
+            self.values,
+            self.log_degree,
+            *self.extras.values(),
+            *(t for packed in self.packed.values() for t in packed.tensors()),
+        ]
+        return [t for t in parts if t is not None]
+
+    def stored_tensors(self) -> list[Tensor]:
+        """Everything this group stores: its own tensors, window records and its head ids."""
+        heads = [] if self.heads is None else [self.heads]
+        return self.own_tensors() + list(self.windows.values()) + heads
+
+    def capacity_bytes(self) -> int:
+        """Bytes of the buffers behind what this group stores (live entries plus headroom)."""
+        total = 0
+        for tensor in self.own_tensors():
+            backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
+            total += backing.numel() * backing.element_size()
+        records = [*self.windows.values(), *([] if self.heads is None else [self.heads])]
+        return total + sum(t.numel() * t.element_size() for t in records)
+
+    def map_batch(self, fn) -> None:
+        """Apply `fn` to the batch axis of everything stored (beam search, batch selection)."""
+        for attr in ("keys", "values", "log_degree"):
+            tensor = getattr(self, attr)
+            if tensor is not None and tensor.numel() > 0:
+                setattr(self, attr, fn(tensor))
+        self.packed = {slot: packed.map(fn) for slot, packed in self.packed.items()}
+        for records in (self.extras, self.windows):
+            for name, tensor in records.items():
+                records[name] = fn(tensor)
+
+    def degrees_or_zeros(self) -> Tensor:
+        if self.log_degree is not None:
+            return self.log_degree
+        return self.keys.new_zeros(*self.keys.shape[:2], self.length, dtype=torch.float32)
+
+    # --- records and compression -----------------------------------------------------------------
+    def record(self, query: Tensor, received: Tensor | None) -> None:
+        """Update the window and entry records with this group's queries [B, H_q, q, D] and the
+        attention each entry received (`received` [B, H_g, T], when the cache tracks attention)."""
+        if not self.records:
+            return
+        for name, window in self.owner.window_needs.items():
+            # a copy: a slice would keep the whole tensor it was cut from (the prompt's queries) alive
+            recorded = RECORDERS[name].after_attention(self.windows.get(name), query, None)
+            self.windows[name] = recorded[:, :, -window:].clone()
+        if self.keys is not None and self.keys.dim() == 4 and self.keys.shape[1] == 0:
+            return  # every head of the layer is in another group: nothing to record
+        for name in self.owner.entry_needs:
+            if RECORDERS[name].uses_received and received is None:
+                raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
+            self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)
+            self.drop_stale_buffer(f"extras.{name}")
+
+    def needs_compression(self) -> bool:
+        owner, layer = self.owner, self.layer
+        if not self.records or not (owner.compression_enabled and owner.method.compresses):
+            return False
+        if self.length == 0 or self.keys.shape[1] == 0:
+            return False
+        limit = self.budget_len
+        if layer.n_seen > layer.prompt_len:  # decoding: let g tokens accumulate before re-compressing
+            limit += owner.method.compress_interval - 1
+        return self.length > limit
+
+    def protected_windows(self) -> tuple[int, int]:
+        """(n_sink, n_recent) its compressions keep: the method's, shrunk to the budget when it cannot
+        hold them (`centroidkv.budget.fit_protected`: the recent window first, then the sinks)."""
+        method = self.owner.method
+        return fit_protected(self.budget_len, method.n_sink, method.n_recent, f"{method.name} at this budget")
+
+    def compress(self) -> None:
+        """Shrink this group to its budget, its sinks and recent window untouched."""
+        owner, layer = self.owner, self.layer
+        owner.plan_budget(layer)  # in bytes: what the other groups hold now
+        budget = self.budget_len
+        if self.length <= budget or self.keys.shape[1] == 0:
+            return
+        n_sink, n_recent = self.protected_windows()
+        self.protected_used = (n_sink, n_recent)
+        # A merge or eviction works on the entries in the model's dtype (dequantized when the storage
+        # is not); the result is stored in the storage format again (`settle`, below).
+        kv = LayerKV(self.read("keys"), self.read("values"), self.degrees_or_zeros(), dict(self.extras))
+        rotary = owner.rotary[layer.layer_idx] if owner.rotary else None
+        stats = LayerStats(layer.layer_idx, owner.n_layers, layer.scaling, self.windows, rotary=rotary)
+        kept = compress_protected(kv, budget, owner.method, stats, n_sink, n_recent)
+        # into buffers with room for the g tokens decoded before the next compression
+        capacity = self._capacity("keys", budget, first=True) if owner.in_place else budget
+        self.packed.pop("keys", None)
+        self.packed.pop("values", None)
+        self.store_new("keys", kept.keys, capacity)
+        self.store_new("values", kept.values, capacity)
+        if owner.method.merges or self.log_degree is not None:
+            self.store_new("log_degree", kept.log_degree, capacity)
+        for name in list(self.extras):
+            self.store_new(f"extras.{name}", kept.extras[name], capacity)
+        self.n_compressions += 1
+        if owner.storage.precision != "model":
+            self.settle()
+
+    # --- splitting and forking -------------------------------------------------------------------
+    def select(self, layer: CompressedLayer, role: str, heads: Tensor, n_heads: int) -> HeadGroup:
+        """A new group of `layer` holding the KV heads `heads` (of this group's `n_heads`, which hold
+        every head of the layer) with their entries, codes, degrees and records as they are now."""
+        group = HeadGroup(layer, role, heads)
+        group.keys, group.values = self.keys[:, heads], self.values[:, heads]
+        group.packed = {slot: packed.heads(heads) for slot, packed in self.packed.items()}
+        if group.records:
+            group.log_degree = None if self.log_degree is None else self.log_degree[:, heads]
+            group.extras = {name: record[:, heads] for name, record in self.extras.items()}
+            group.windows = {
+                name: query_rows(window, heads, n_heads) for name, window in self.windows.items()
+            }
+        return group
+
+    def fork(self, layer: CompressedLayer, split: bool) -> HeadGroup:
+        """A group of `layer` (another cache's) that shares this one's tensors (never modified in
+        place), with only the records its cache asks for. `split`: the source layer's heads are split."""
+        twin = HeadGroup(layer, self.role, self.heads)
+        twin.keys, twin.values, twin.log_degree = self.keys, self.values, self.log_degree
+        twin.packed = dict(self.packed)  # codes are never modified in place: shared until replaced
+        twin.n_compressions, twin.protected_used = self.n_compressions, self.protected_used
+        if not twin.records:
+            return twin
+        owner = layer.owner
+        for name in owner.entry_needs:
+            if name in self.extras:
+                twin.extras[name] = self.extras[name]
+            elif (
+                RECORDERS[name].rebuildable
+                and self.length == layer.n_seen
+                and not (split and self.role == "compressed")
+            ):
+                shape = (*self.keys.shape[:2], self.length)
+                twin.extras[name] = RECORDERS[name].initial(0, shape, self.keys.device)
+            else:
+                raise ValueError(
+                    f"{owner.method.name} needs {name!r}, which the source cache did not record; {FORK_NEEDS_FIX}"
+                )
+        for name, window in owner.window_needs.items():
+            if name not in self.windows or self.windows[name].shape[2] < window:
+                raise ValueError(
+                    f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not "
+                    f"keep; {FORK_NEEDS_FIX}"
+                )
+            # the fork's own copy: a view would keep the source's whole window (and, for the shared
+            # prefill, its storage) alive for as long as the fork lives (kv_bytes counts it)
+            twin.windows[name] = self.windows[name][:, :, -window:].clone()
+        return twin
+
+
+# How to fix a fork whose source cache did not record what the method needs (the end of that error).
+FORK_NEEDS_FIX = (
+    "record it in the source: pass needs=needs_of([...the methods you will fork to]) to "
+    "centroidkv.decoding.prefill, or needs=... to the source CompressedCache"
+)
+
+
+def query_rows(window: Tensor, kv_heads: Tensor, n_kv_heads: int) -> Tensor:
+    """The rows of a window record [B, H_q, w, ...] that belong to the query heads of `kv_heads` (of
+    `n_kv_heads`; KV head h's query heads are rows h * group .. h * group + group - 1)."""
+    return window.unflatten(1, (n_kv_heads, -1))[:, kv_heads].flatten(1, 2)
