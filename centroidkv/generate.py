@@ -423,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     import centroidkv.models as models  # torch: only once the request is known to be good
+
     if args.model in HUB_MODELS or model_kind(args.model) == "hub":
         offline_unless_reachable()  # offline when the Hub does not answer within seconds, not ~75 s
     try:
