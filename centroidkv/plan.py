@@ -166,40 +166,37 @@ def run(
     `on_outcome(k, outcome)` is called as soon as outcome k is final (e.g. to print each answer when
     it is ready). ValueError for follow-up questions under the full-prompt protocol."""
     check_decode_batch(decode_batch)
-    n_questions = prompt.n_questions
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
     eos = default_eos(model) if eos_token_ids is None else eos_token_ids
-    device = next(model.parameters()).device
-
-    def finish(k: int) -> None:
-        outcome = outcomes[k]
-        if outcome.generation is not None:
-            outcome.answer_ids = answer_ids(outcome.generation.tokens[0], eos)
-        if on_outcome is not None:
-            on_outcome(k, outcome)
-
-    def ids(tokens: list[int]) -> torch.Tensor | None:
-        return torch.tensor([tokens], device=device) if tokens else None
-
-    def keys(i: int) -> range:  # run i's outcomes, one per question
-        return range(i * n_questions, (i + 1) * n_questions)
-
     in_prefill = {
         i: r.method.prefill_run(model, r.budget, len(prompt.context), max_new_tokens, share_prefill)
         for i, r in enumerate(runs)
         if compresses_in_prefill(r.method)
     }
-    outcomes = [
-        Outcome(CONTEXT_ONLY if i in in_prefill else prompt.protocol, question=q)
-        for i in range(len(runs))
-        for q in range(n_questions)
-    ]
+    plan = _Plan(model, prompt, runs, max_new_tokens, eos, budget_unit, on_outcome, set(in_prefill))
     natives = [i for i in range(len(runs)) if i not in in_prefill]
     taps = {i: r for i, r in in_prefill.items() if r.shares_prefill}
-    own = [i for i in in_prefill if i not in taps]
+    native_prefill, press_prefill = _prefills(plan, natives, taps)
+    for i in natives:
+        plan.add_native(i, native_prefill)
+    for i, tap in taps.items():
+        plan.add_tap(i, tap, press_prefill)
+    plan.start_all()
+    for i, prefill_run in in_prefill.items():
+        if i not in taps:
+            plan.run_own(i, prefill_run)
+    plan.decode_all(decode_batch)
+    return plan.outcomes
 
-    native_needs = needs_of(runs[i].method for i in natives)
+
+def _prefills(
+    plan: _Plan, natives: list[int], taps: dict[int, PrefillRun]
+) -> tuple[Prefill | None, Prefill | None]:
+    """The shared prefill of the native runs and the one the taps compress in: one forward for both
+    when they prefill the same tokens and nothing the natives record changes the attention."""
+    model, prompt, max_new_tokens = plan.model, plan.prompt, plan.max_new_tokens
+    native_needs = needs_of(plan.runs[i].method for i in natives)
     one_pass = bool(
         natives
         and taps
@@ -209,102 +206,142 @@ def run(
     native_prefill = press_prefill = None
     if natives:
         native_prefill = prefill(
-            model, ids(prompt.prefilled), max_new_tokens, needs=native_needs, taps=taps if one_pass else None
+            model,
+            plan.ids(prompt.prefilled),
+            max_new_tokens,
+            needs=native_needs,
+            taps=taps if one_pass else None,
         )
     if taps:
         press_prefill = (
-            native_prefill if one_pass else prefill(model, ids(prompt.context), max_new_tokens, taps=taps)
+            native_prefill
+            if one_pass
+            else prefill(model, plan.ids(prompt.context), max_new_tokens, taps=taps)
         )
+    return native_prefill, press_prefill
 
-    # Each started outcome keeps how to start it again (its source is never modified), for the retry.
-    starters: dict[int, Callable[[], Fork]] = {}
-    hooks: dict[int, Callable[[nn.Module], AbstractContextManager]] = {}
-    for i in natives:
-        method, budget = runs[i].method, runs[i].budget
-        # One question: the fork is compressed and fed in one go. Several: the context is compressed
-        # once, and each question forks that compressed cache (a copy that compresses nothing more).
+
+class _Plan:
+    """One call of `run`: its outcomes (run i's answer to question q is `i * n_questions + q`), how to
+    start each outcome's fork again (`starters`: its source is never modified, so a failed batch can
+    retry each fork alone), the decoding hooks of the runs that decode alone, and the started forks."""
+
+    def __init__(self, model, prompt, runs, max_new_tokens, eos, budget_unit, on_outcome, context_only_runs):
+        self.model, self.prompt, self.runs, self.max_new_tokens = model, prompt, runs, max_new_tokens
+        self.eos, self.budget_unit, self.on_outcome = eos, budget_unit, on_outcome
+        self.device = next(model.parameters()).device
+        self.outcomes = [
+            Outcome(CONTEXT_ONLY if i in context_only_runs else prompt.protocol, question=q)
+            for i in range(len(runs))
+            for q in range(prompt.n_questions)
+        ]
+        self.starters: dict[int, Callable[[], Fork]] = {}
+        self.hooks: dict[int, Callable[[nn.Module], AbstractContextManager]] = {}
+        self.forks: dict[int, Fork] = {}
+
+    def ids(self, tokens: list[int]) -> torch.Tensor | None:
+        return torch.tensor([tokens], device=self.device) if tokens else None
+
+    def keys(self, i: int) -> range:
+        """Run i's outcomes, one per question."""
+        return range(i * self.prompt.n_questions, (i + 1) * self.prompt.n_questions)
+
+    def finish(self, k: int) -> None:
+        outcome = self.outcomes[k]
+        if outcome.generation is not None:
+            outcome.answer_ids = answer_ids(outcome.generation.tokens[0], self.eos)
+        if self.on_outcome is not None:
+            self.on_outcome(k, outcome)
+
+    def add_native(self, i: int, native_prefill: Prefill) -> None:
+        """A native run forks the shared prefill. One question: the fork is compressed and fed in one
+        go. Several: the context is compressed once, and each question forks that compressed cache."""
+        method, budget = self.runs[i].method, self.runs[i].budget
         source = (
             native_prefill
-            if n_questions == 1
-            else _CompressedOnce(native_prefill, runs[i], max_new_tokens, budget_unit)
+            if self.prompt.n_questions == 1
+            else _CompressedOnce(native_prefill, self.runs[i], self.max_new_tokens, self.budget_unit)
         )
-        for k in keys(i):
-            outcomes[k].fields = {"prefill_shared": True}
-            starters[k] = partial(
-                _start_native,
-                model,
-                source,
-                method,
-                budget,
-                max_new_tokens,
-                ids(prompt.fed_ids(outcomes[k].question)),
-                budget_unit,
+        for k in self.keys(i):
+            self.outcomes[k].fields = {"prefill_shared": True}
+            fed = self.ids(self.prompt.fed_ids(self.outcomes[k].question))
+            self.starters[k] = partial(
+                _start_native, self.model, source, method, budget, self.max_new_tokens, fed, self.budget_unit
             )
-    for i, tap in taps.items():
+
+    def add_tap(self, i: int, tap: PrefillRun, press_prefill: Prefill) -> None:
+        """A tap decodes its fork of the prefill it compressed, uncompressed further ("full")."""
         tapped = press_prefill.tapped[i]
         source = Prefill(tapped.cache, press_prefill.first_token, press_prefill.seconds)
-        for k in keys(i):
-            outcomes[k].fields = {"prefill_shared": True, **tap.record_fields()}
+        for k in self.keys(i):
+            self.outcomes[k].fields = {"prefill_shared": True, **tap.record_fields()}
             if tapped.error is not None:
-                outcomes[k].error = tapped.error
-                finish(k)
+                self.outcomes[k].error = tapped.error
+                self.finish(k)
                 continue
             if tap.decodes_alone:  # its masks live on the attention modules: fed and decoded under them
-                hooks[k] = tap.decoding_hooks
-            starters[k] = partial(
-                start_fork,
-                model,
-                source,
-                "full",
-                1.0,
-                max_new_tokens,
-                ids(prompt.question_ids(outcomes[k].question)),
-                budget_unit,
-                compress_s=tapped.seconds,
-            )
-    forks: dict[int, Fork] = {}
-    for k in starters:
-        fork = _start(k, starters, hooks, model, outcomes)
-        if fork is None:
-            finish(k)
-        else:
-            forks[k] = fork
-    for i in own:
-        _run_own_prefill(
-            model, in_prefill[i], prompt, max_new_tokens, eos, [outcomes[k] for k in keys(i)], ids
-        )
-        for k in keys(i):
-            finish(k)
+                self.hooks[k] = tap.decoding_hooks
+            question = self.ids(self.prompt.question_ids(self.outcomes[k].question))
+            fork_args = (self.model, source, "full", 1.0, self.max_new_tokens, question, self.budget_unit)
+            self.starters[k] = partial(start_fork, *fork_args, compress_s=tapped.seconds)
 
-    batchable = [k for k in forks if k not in hooks]
-    batches = [batchable[b : b + decode_batch] for b in range(0, len(batchable), decode_batch)]
-    batches += [[k] for k in forks if k in hooks]
-    for batch in batches:
-        try:
-            _decode(batch, forks, hooks, model, max_new_tokens, eos, outcomes)
-        except Exception as error:
-            _free_memory(device)
-            if len(batch) == 1:
-                outcomes[batch[0]].error = error
-                forks.pop(batch[0], None)
-                finish(batch[0])
+    def start_all(self) -> None:
+        for k in self.starters:
+            fork = _start(k, self.starters, self.hooks, self.model, self.outcomes)
+            if fork is None:
+                self.finish(k)
+            else:
+                self.forks[k] = fork
+
+    def run_own(self, i: int, prefill_run: PrefillRun) -> None:
+        outcomes = [self.outcomes[k] for k in self.keys(i)]
+        _run_own_prefill(
+            self.model, prefill_run, self.prompt, self.max_new_tokens, self.eos, outcomes, self.ids
+        )
+        for k in self.keys(i):
+            self.finish(k)
+
+    def decode_all(self, decode_batch: int) -> None:
+        """Up to `decode_batch` forks per batch, a hooked one alone; a failed batch retries each of
+        its forks alone from its own source, so one fork's failure stays its own."""
+        batchable = [k for k in self.forks if k not in self.hooks]
+        batches = [batchable[b : b + decode_batch] for b in range(0, len(batchable), decode_batch)]
+        batches += [[k] for k in self.forks if k in self.hooks]
+        for batch in batches:
+            try:
+                self.decode(batch)
+            except Exception as error:
+                _free_memory(self.device)
+                if len(batch) == 1:
+                    self.fail(batch[0], error)
+                else:
+                    for k in batch:
+                        self.retry_alone(k)
                 continue
-            for k in batch:  # again, one at a time, each from its own (unchanged) source
-                forks.pop(k, None)
-                fork = _start(k, starters, hooks, model, outcomes)
-                if fork is not None:
-                    forks[k] = fork
-                    try:
-                        _decode([k], forks, hooks, model, max_new_tokens, eos, outcomes)
-                    except Exception as error_alone:
-                        _free_memory(device)
-                        outcomes[k].error = error_alone
-                        forks.pop(k, None)
-                finish(k)
-            continue
-        for k in batch:
-            finish(k)
-    return outcomes
+            for k in batch:
+                self.finish(k)
+
+    def decode(self, batch: list[int]) -> None:
+        _decode(batch, self.forks, self.hooks, self.model, self.max_new_tokens, self.eos, self.outcomes)
+
+    def fail(self, k: int, error: BaseException) -> None:
+        self.outcomes[k].error = error
+        self.forks.pop(k, None)
+        self.finish(k)
+
+    def retry_alone(self, k: int) -> None:
+        """Outcome k again, alone, from its own (unchanged) source."""
+        self.forks.pop(k, None)
+        fork = _start(k, self.starters, self.hooks, self.model, self.outcomes)
+        if fork is not None:
+            self.forks[k] = fork
+            try:
+                self.decode([k])
+            except Exception as error_alone:
+                _free_memory(self.device)
+                self.outcomes[k].error = error_alone
+                self.forks.pop(k, None)
+        self.finish(k)
 
 
 class _CompressedOnce:
