@@ -10,10 +10,8 @@ How it runs:
   harness's `CompressedCache`. With `share_prefill` (the default) one prefill of the context serves
   every press and budget of a job: after each layer, each press runs its own hook on that layer's
   call against its own fork of the cache (`PressTap`, a `centroidkv.decoding.PrefillTap`), while
-  the prefill goes on with the full cache. A press's hook only ever changes the cache after the
-  layer's attention, so the forward is the same as in a prefill of its own and so is what the press
-  keeps (tests/test_shared_prefill.py). Its compression time is its `compress_s`. Presses that do
-  more than hook one forward (extra passes, a pipeline's delimiter, decoding state: `OWN_PREFILL`,
+  the prefill goes on with the full cache (the same forward as a prefill of its own, tested). Its
+  compression time is its `compress_s`. Presses that do more than hook one forward (`OWN_PREFILL`,
   with the reasons) and every press under `share_prefill=false` get their own prefill per
   (sample, budget), kvpress's own way: there the compression is part of `prefill_s`.
   Presses that draw random numbers draw them from a generator seeded with PRESS_SEED at the start
@@ -23,10 +21,8 @@ How it runs:
   `protocol: context_only`.
 - Budget: a press keeps B = int(R * (n + Gamma)) entries (`centroidkv.budget.budget_entries`) for an
   n-token context and Gamma = max_new_tokens: its `compression_ratio` is 1 - B / n (nudged so that
-  kvpress's int(n * (1 - ratio)) is exactly B), which is kvpress's 1 - R when Gamma = 0. A press's
-  cache stores keys and values only, so B is the same under both budget units: in bytes too it stores
-  R times a full cache of n + Gamma tokens, as every native method of the run does.
-  A press whose compression is not set by a compression ratio is refused (one line).
+  kvpress's int(n * (1 - ratio)) is exactly B). A press stores keys and values only, so B is the same
+  under both budget units. A press not set by a compression ratio is refused (one line).
 - Decode-time compression: only through kvpress's `PrefillDecodingPress` (its prefill press takes
   the budget, its decoding press compresses every `compression_interval` steps to `target_size`).
   A bare `DecodingPress` compresses nothing during prefill, so the budget cannot drive it: refused.
