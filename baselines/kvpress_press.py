@@ -14,8 +14,7 @@ How it runs:
   compression time is its `compress_s`. Presses that do more than hook one forward (`OWN_PREFILL`,
   with the reasons) and every press under `share_prefill=false` get their own prefill per
   (sample, budget), kvpress's own way: there the compression is part of `prefill_s`.
-  Presses that draw random numbers draw them from a generator seeded with PRESS_SEED at the start
-  of their prefill, shared or not, so their runs repeat.
+  Random presses draw from a generator seeded with PRESS_SEED at the start of their prefill.
 - Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
   is fed and the answer decoded on the compressed cache. Records of a press always say
   `protocol: context_only`.
