@@ -21,7 +21,7 @@ from centroidkv.decoding import eos_token_ids
 from centroidkv.errors import first_line
 from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
 from eval.benchmarks import Benchmark, Sample
-from eval.config import MethodSpec
+from eval.run_config import MethodSpec
 from eval.samples import encode_prompt, sample_id
 
 

@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 from centroidkv.errors import first_line
 from centroidkv.hub_probe import offline_unless_reachable
 from centroidkv.measurements import table_measurements
-from eval.config import RunConfig
 from eval.evaluate import Evaluator
 from eval.machine_load import machine_load
 from eval.records import (
@@ -35,6 +34,7 @@ from eval.records import (
     record_key,
     scan_records,
 )
+from eval.run_config import RunConfig
 
 
 class SetupError(JobError):

@@ -26,16 +26,10 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from centroidkv.errors import first_line
-from eval.config import (
-    CONFIG_DIR,
-    ConfigError,
-    RunConfig,
-    build_run_config,
-    first_pass_errors,
-    named_job,
-    store_configs,
-)
+from eval.config import CONFIG_DIR, build_run_config, first_pass_errors, store_configs
+from eval.job_names import named_job
 from eval.records import JobError, JobStore, check_results_folder
+from eval.run_config import ConfigError, RunConfig
 from eval.schema import config_schema
 
 try:  # optional: pip install -e ".[slurm]"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from centroidkv.measurements import table_measurements
-from eval.config import RunConfig
+from eval.run_config import RunConfig
 
 # The samples table: who and what, then every table measurement (`centroidkv.measurements`).
 RECORD_COLUMNS = ("task", "sample_id", "method", "variant", "budget", "status", "score")

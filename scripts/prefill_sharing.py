@@ -33,8 +33,8 @@ def measure_prefill_sharing(
     """
     from centroidkv import CompressedCache, load_model
     from eval.benchmarks.ruler import Ruler
-    from eval.config import MethodSpec
     from eval.evaluate import Evaluator
+    from eval.run_config import MethodSpec
     from eval.samples import encode_prompt
 
     model, tokenizer = load_model(model_name)

@@ -25,7 +25,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from eval.config import ConfigError, RunConfig, build_run_config, named_job, store_configs  # noqa: E402
+from eval.config import build_run_config, store_configs  # noqa: E402
+from eval.job_names import named_job  # noqa: E402
+from eval.run_config import ConfigError, RunConfig  # noqa: E402
 
 store_configs()  # method=<name> and benchmark=<name> for every registered one, from their dataclasses
 

@@ -14,7 +14,8 @@ import torch
 from centroidkv import CompressedCache, get_method, method_names
 from centroidkv.decoding import needs_of, prefill
 from centroidkv.methods import method_class
-from eval.config import ConfigError, build_run_config
+from eval.config import build_run_config
+from eval.run_config import ConfigError
 from eval.text import essay_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")

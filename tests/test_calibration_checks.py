@@ -42,7 +42,8 @@ from centroidkv.calibrate import (
 )
 from centroidkv.models import load_model, model_shape
 from eval.calibrate import main
-from eval.config import ConfigError, build_run_config
+from eval.config import build_run_config
+from eval.run_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

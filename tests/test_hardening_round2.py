@@ -23,8 +23,8 @@ from test_job_safety import RUN, TINY, env, wait_for_records
 
 import centroidkv.models
 from centroidkv.generate import main as generate_main
-from eval.config import ConfigError
 from eval.records import JobMismatch, ResultsFolderError, check_results_folder, read_records
+from eval.run_config import ConfigError
 from eval.runner import config_yaml_of, run_job
 from scripts import figures, tables
 

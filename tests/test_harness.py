@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from eval.config import CONFIG_DIR, ConfigError, build_run_config, store_configs
+from eval.config import CONFIG_DIR, build_run_config, store_configs
 from eval.records import JobStore, read_records, record_key
+from eval.run_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "records"

@@ -8,7 +8,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from eval.config import override_hash, split_overrides
+from eval.job_names import override_hash, split_overrides
 from eval.runner import config_yaml_of, run_job
 from eval.sweep import plan
 

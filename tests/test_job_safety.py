@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.config import ConfigError
 from eval.records import JobStore, read_records, record_key
+from eval.run_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = [sys.executable, str(ROOT / "scripts" / "run.py")]

@@ -16,8 +16,8 @@ import yaml
 from centroidkv import get_method, load_model, load_tokenizer
 from centroidkv.decoding import prefill
 from eval.benchmarks.toy import Toy
-from eval.config import MethodSpec
 from eval.evaluate import Evaluator
+from eval.run_config import MethodSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,8 +10,8 @@ import pytest
 from centroidkv import load_model, load_tokenizer
 from centroidkv.measurements import DECODED, MEASUREMENTS, Measurement, register_measurement
 from eval.benchmarks.toy import Toy
-from eval.config import MethodSpec
 from eval.evaluate import Evaluator
+from eval.run_config import MethodSpec
 from eval.runner import summarize
 from eval.wandb_logger import WandbLogger, table_columns
 
