@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.records import CONFIG, DONE, LOCK, RECORDS, JobStore, _alive, _holder, scan_records
+from eval.job_store import JobStore, _alive, _holder
+from eval.records import CONFIG, DONE, LOCK, RECORDS, scan_records
 
 COLUMNS = ("experiment", "job", "methods (mean score)", "parameters", "budgets", "ok", "failed", "status")
 

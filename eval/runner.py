@@ -24,10 +24,10 @@ from centroidkv.errors import first_line
 from centroidkv.hub_probe import offline_unless_reachable
 from centroidkv.measurements import table_measurements
 from eval.evaluate import Evaluator
+from eval.job_store import JobStore
 from eval.machine_load import machine_load
 from eval.records import (
     JobError,
-    JobStore,
     check_results_folder,
     environment,
     finished_message,
@@ -109,7 +109,7 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
 
 
 def job_owner(cfg: RunConfig) -> dict[str, str]:
-    """What every record of the job names as its writer (see `eval.records.JobStore.saved_owner`)."""
+    """What every record of the job names as its writer (see `eval.job_store.JobStore.saved_owner`)."""
     return {"model": cfg.model.name, "experiment": cfg.experiment, "job": cfg.job}
 
 

@@ -28,7 +28,8 @@ from omegaconf.errors import OmegaConfBaseException
 from centroidkv.errors import first_line
 from eval.config import CONFIG_DIR, build_run_config, first_pass_errors, store_configs
 from eval.job_names import named_job
-from eval.records import JobError, JobStore, check_results_folder
+from eval.job_store import JobStore
+from eval.records import JobError, check_results_folder
 from eval.run_config import ConfigError, RunConfig
 from eval.schema import config_schema
 

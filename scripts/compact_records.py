@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from centroidkv.measurements import table_measurements  # noqa: E402
-from eval.records import CONFIG, KEY_FIELDS, RECORDS, iter_records  # noqa: E402
+from eval.job_store import iter_records  # noqa: E402
+from eval.records import CONFIG, KEY_FIELDS, RECORDS  # noqa: E402
 
 # What tables and figures read besides the record key and the table measurements.
 TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_ratio", "kv_final_ratio",

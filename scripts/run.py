@@ -64,7 +64,8 @@ def main(cfg: DictConfig) -> None:
 def skipped_as_finished(run_cfg: RunConfig) -> bool:
     """A finished job (its done.json) under the same identity is skipped before torch is imported
     (the runner checks again under the job's lock); another identity raises the runner's JobError."""
-    from eval.records import JobStore, finished_message
+    from eval.job_store import JobStore
+    from eval.records import finished_message
 
     store = JobStore(run_cfg.job_dir)
     if run_cfg.overwrite or not store.finished:

@@ -34,8 +34,9 @@ from centroidkv.measurements import table_measurements  # noqa: E402
 from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
 from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.dedup import drop_repeated_records  # noqa: E402
+from eval.job_store import iter_records  # noqa: E402
 from eval.machine_load import load_note  # noqa: E402
-from eval.records import ResultsWriteError, atomic_write, differing_keys, iter_records  # noqa: E402
+from eval.records import ResultsWriteError, atomic_write, differing_keys  # noqa: E402
 from scripts.latex import latex_escape  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses

@@ -16,7 +16,8 @@ import pytest
 from test_harness import config_error_line, run_cfg
 from test_job_safety import ROOT, RUN, TINY, env, error_lines
 
-from eval.records import JobStore, ResultsFolderError, ResultsWriteError, check_results_folder
+from eval.job_store import JobStore
+from eval.records import ResultsFolderError, ResultsWriteError, check_results_folder
 from eval.run_config import ConfigError
 
 ONE_JOB = [*TINY, "method=full", "benchmark.n_samples=1", "benchmark.max_new_tokens=2"]

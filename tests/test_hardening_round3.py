@@ -24,7 +24,8 @@ from centroidkv.files import is_file, replaced_atomically, write_atomic
 from centroidkv.generate import main as generate_main
 from eval import calibrate as eval_calibrate
 from eval import runner
-from eval.records import JobMismatch, JobStore, ResultsFolderError
+from eval.job_store import JobStore
+from eval.records import JobMismatch, ResultsFolderError
 from eval.runner import config_yaml_of, run_job
 from eval.schema import known_keys, missing_param_hint, suggestion
 from scripts import tables

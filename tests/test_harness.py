@@ -12,7 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from eval.config import CONFIG_DIR, build_run_config, store_configs
-from eval.records import JobStore, read_records, record_key
+from eval.job_store import JobStore
+from eval.records import read_records, record_key
 from eval.run_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.records import JobStore, read_records, record_key
+from eval.job_store import JobStore
+from eval.records import read_records, record_key
 from eval.run_config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

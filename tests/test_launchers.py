@@ -21,7 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eval.records import JobStore, read_records, scan_records
+from eval.job_store import JobStore
+from eval.records import read_records, scan_records
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ["model=tiny-llama", "benchmark=ruler", "benchmark.tasks=[niah_single_1]", "benchmark.lengths=[1024]",
