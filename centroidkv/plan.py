@@ -99,7 +99,8 @@ def compresses_in_prefill(method: Method) -> bool:
 class Prompt:
     """A prompt's token ids, split as the call's protocol prefills and feeds them (`prefilled`, then
     `fed` after compression; `fed` is empty under the full-prompt protocol) and split context-only
-    (`context`, `question`), which prefill compressors always use."""
+    (`context`, `question`), which prefill compressors always use and nothing else reads (a caller
+    with no prefill compressor among its runs may leave them empty)."""
 
     prefilled: list[int]
     fed: list[int]
@@ -169,6 +170,10 @@ def run(
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
     eos = default_eos(model) if eos_token_ids is None else eos_token_ids
+    if not prompt.context and any(compresses_in_prefill(r.method) for r in runs):
+        raise ValueError(
+            "a method that compresses inside its prefill needs the prompt's context (Prompt.context)"
+        )
     in_prefill = {
         i: r.method.prefill_run(model, r.budget, len(prompt.context), max_new_tokens, share_prefill)
         for i, r in enumerate(runs)

@@ -19,7 +19,16 @@ from centroidkv import get_method
 from centroidkv.budget import DEFAULT_BUDGET_UNIT
 from centroidkv.decoding import eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
+from centroidkv.plan import (
+    CONTEXT_ONLY,
+    DEFAULT_DECODE_BATCH,
+    FULL_PROMPT,
+    Outcome,
+    Prompt,
+    Run,
+    compresses_in_prefill,
+    run,
+)
 from eval.benchmarks import Benchmark, Sample
 from eval.run_config import MethodSpec
 from eval.samples import encode_prompt, sample_id
@@ -48,12 +57,19 @@ class Evaluator:
         self.vocab = model.config.vocab_size
         self.eos = eos_token_ids(model, tokenizer)
 
-    def prompt(self, sample: Sample) -> Prompt:
-        """The sample's prompt under the benchmark's protocol and context-only. Tiny test models have a
-        512-token vocabulary: the embedded tokenizer's ids are folded into it."""
+    def prompt(self, sample: Sample, specs: list[MethodSpec] | None = None) -> Prompt:
+        """The sample's prompt under the benchmark's protocol and context-only, each sample tokenized
+        once: the context-only split of a full-prompt benchmark is made only when one of `specs`
+        (None: every method of the job) compresses inside its prefill, the only runs that read it
+        (`Prompt.context`, empty otherwise). Tiny test models have a 512-token vocabulary: the embedded
+        tokenizer's ids are folded into it."""
         head, tail = encode_prompt(sample, self.tokenizer, self.benchmark.context_only)
         context_only = self.benchmark.context_only  # then the two splits are one
-        context, question = (head, tail) if context_only else encode_prompt(sample, self.tokenizer, True)
+        needs_split = any(compresses_in_prefill(self.methods[spec]) for spec in specs or self.specs)
+        if context_only:
+            context, question = head, tail
+        else:
+            context, question = encode_prompt(sample, self.tokenizer, True) if needs_split else ([], [])
         fold = [[t % self.vocab for t in part] for part in (head, tail, context, question)]
         return Prompt(*fold, protocol=CONTEXT_ONLY if self.benchmark.context_only else FULL_PROMPT)
 
@@ -97,7 +113,7 @@ class Evaluator:
             max_new = min(max_new, cap)
         eos = set() if ignore_eos else self.eos
         try:
-            prompt = self.prompt(sample)
+            prompt = self.prompt(sample, specs)
             base["context_length"] = len(prompt.prefilled) + len(prompt.fed)
             outcomes = self.run_prompt(prompt, specs, max_new, eos)
         except Exception as error:  # the sample is recorded as failed for every method, the job goes on
