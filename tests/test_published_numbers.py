@@ -1,0 +1,67 @@
+"""The numbers README.md and docs/results.md publish, regenerated from the compact records committed
+under results/ (`scripts/compact_records.py`) and compared cell by cell: a published table that its
+records no longer give fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scripts.compact_records import expand
+from scripts.tables import load, score_table
+
+ROOT = Path(__file__).resolve().parent.parent
+FRACTIONS = {"1/16": 0.0625, "1/8": 0.125, "1/4": 0.25, "1/2": 0.5, "3/4": 0.75}
+VARIANT_PREFIX = {"CentroidKV": "centroidkv", "K-Means": "kmeans", "SnapKV": "snapkv",
+                  "StreamingLLM": "streaming_llm", "H2O": "h2o"}  # fmt: skip
+
+# (document, the line just above the table, the compact records behind it)
+PUBLISHED = [
+    ("docs/results.md", "### 16k tokens (`make long", "results/long/records.jsonl.gz"),
+    ("docs/results.md", "### 4k tokens: the head-policy factorial", "results/heads-qwen2.5-0.5b/records.jsonl.gz"),
+]  # fmt: skip
+
+
+def markdown_table(document: Path, after: str) -> list[dict[str, str]]:
+    """The first markdown table after the line that starts with `after`, as rows of header -> cell."""
+    lines = document.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(after))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    return [dict(zip(header, row, strict=True)) for row in body]
+
+
+def published_cells(rows: list[dict[str, str]]) -> dict[tuple[str, float], float]:
+    """(label, budget) -> the published average: `policy 1/8` columns name `<method>-<policy>` variants,
+    plain `1/8` columns the method's own label."""
+    cells = {}
+    for row in rows:
+        name = re.sub(r"\*|\(.*\)", "", row["method"]).strip()
+        for column, text in row.items():
+            found = re.fullmatch(r"(?:(none|whole|budget) )?(\d/\d+)", column)
+            if found is None or not text:
+                continue
+            policy, fraction = found.groups()
+            label = f"{VARIANT_PREFIX[name]}-{policy}" if policy else name
+            cells[label, FRACTIONS[fraction]] = float(re.sub(r"\*|\(.*\)", "", text))
+    return cells
+
+
+@pytest.mark.parametrize(("document", "after", "compact"), PUBLISHED, ids=lambda v: str(v)[:40])
+def test_a_published_table_is_what_its_committed_records_give(tmp_path, document, after, compact):
+    cells = published_cells(markdown_table(ROOT / document, after))
+    expand(ROOT / compact, tmp_path)
+    df = load([tmp_path])
+    assert cells, "no cell read from the table"
+    for budget in sorted({budget for _, budget in cells}):
+        averages = score_table(df, budget)["Avg"]
+        for (label, at), published in cells.items():
+            if at == budget:
+                assert round(float(averages[label]), 1) == published, (document, label, budget)
