@@ -173,7 +173,27 @@ def load(paths: list[Path]) -> pd.DataFrame:
     identities = [row_identity(r, v) for r, v in zip(records, own_variant, strict=True)]
     df["identity"] = identities
     df["identity_json"] = [json.dumps(i, sort_keys=True, default=str) for i in identities]
-    within_entry: dict[str, tuple] = {}  # label -> how it sorts among its entry's configurations
+    within_entry = _configuration_labels(df)
+    df["ok"] = df["status"] == "ok"
+    first_seen = {entry: rank for rank, entry in enumerate(dict.fromkeys(df["entry"]))}
+    df["method_rank"] = [
+        -1 if m == "full" else first_seen[e] for m, e in zip(df["method"], df["entry"], strict=True)
+    ]
+    labels = df.drop_duplicates("label")
+    order = sorted(
+        zip(labels["method_rank"], labels["label"], range(len(labels)), strict=True),
+        key=lambda item: (item[0], within_entry.get(item[1], ()), item[2]),
+    )
+    label_rank = {label: rank for rank, (_, label, _) in enumerate(order)}
+    df["label_rank"] = df["label"].map(label_rank)
+    return df
+
+
+def _configuration_labels(df: pd.DataFrame) -> dict[str, tuple]:
+    """Give each configuration of a label its own label, in place (`load`: the label and the keys that
+    tell them apart; " [masked]" for masking presses); returns label -> how it sorts among its entry's
+    configurations."""
+    within_entry: dict[str, tuple] = {}
     for (_, label), group in df.groupby(["experiment", "label"], sort=False):
         distinct = dict(zip(group["identity_json"], group["identity"], strict=True))
         if len(distinct) < 2:
@@ -192,19 +212,7 @@ def load(paths: list[Path]) -> pd.DataFrame:
         for label in df.loc[masked, "label"].unique():
             df.loc[df["label"] == label, "label"] = f"{label} [masked]"
             within_entry[f"{label} [masked]"] = within_entry.get(label, ())
-    df["ok"] = df["status"] == "ok"
-    first_seen = {entry: rank for rank, entry in enumerate(dict.fromkeys(df["entry"]))}
-    df["method_rank"] = [
-        -1 if m == "full" else first_seen[e] for m, e in zip(df["method"], df["entry"], strict=True)
-    ]
-    labels = df.drop_duplicates("label")
-    order = sorted(
-        zip(labels["method_rank"], labels["label"], range(len(labels)), strict=True),
-        key=lambda item: (item[0], within_entry.get(item[1], ()), item[2]),
-    )
-    label_rank = {label: rank for rank, (_, label, _) in enumerate(order)}
-    df["label_rank"] = df["label"].map(label_rank)
-    return df
+    return within_entry
 
 
 def kv_ratio(df: pd.DataFrame) -> pd.Series:
@@ -545,6 +553,28 @@ MISSING_REFERENCE = (
 )
 
 
+def _ranking(
+    part: pd.DataFrame, budgets: list[float], what: str, models: str, lengths: str
+) -> tuple[str, pd.DataFrame, int]:
+    """The ranking table of one benchmark's records and its caption, which warns about budgets with too
+    few samples to resolve their order."""
+    caption = (
+        f"{what} by average score with 95 % bootstrap intervals (paired over samples), "
+        f"{models}, context {lengths} tokens; resolved: whether a row's lead over the next one "
+        f"would survive new samples (P(> next) >= {RESOLVED:g} and at least {MIN_SAMPLES} samples)"
+    )
+    ranking = ranking_table(part, budgets)
+    few = sorted(
+        {f"{b}" for b, n in zip(ranking.index, ranking.get("samples", []), strict=True) if n < MIN_SAMPLES}
+    )
+    if few:
+        caption += (
+            f". Warning: fewer than {MIN_SAMPLES} samples per method at budget {', '.join(few)}: "
+            "that order is not resolved"
+        )
+    return caption, ranking, 1
+
+
 def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     """name -> (caption, table, digits) for every table the records allow: per benchmark, those its
     report asks for (`eval.benchmarks.benchmark_report`), then the speed table."""
@@ -580,28 +610,10 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             warning = unresolved_words(min(n for _, _, n in averages.values()))
             caption += f". Warning: {warning}" if warning else ""
             tables[f"{safe_name(bench)}_summary"] = (caption, summary, 1)
-        if (
-            report.ranking and budgets
-        ):  # how stable the order is, at every budget (a single-budget ablation included)
-            caption = (
-                f"{title} ranking by average score with 95 % bootstrap intervals (paired over samples), "
-                f"{models}, context {lengths} tokens; resolved: whether a row's lead over the next one "
-                f"would survive new samples (P(> next) >= {RESOLVED:g} and at least {MIN_SAMPLES} samples)"
+        if report.ranking and budgets:  # how stable the order is, at every budget (one included)
+            tables[f"{safe_name(bench)}_ranking"] = _ranking(
+                part, budgets, f"{title} ranking", models, lengths
             )
-            ranking = ranking_table(part, budgets)
-            few = sorted(
-                {
-                    f"{b}"
-                    for b, n in zip(ranking.index, ranking.get("samples", []), strict=True)
-                    if n < MIN_SAMPLES
-                }
-            )
-            if few:
-                caption += (
-                    f". Warning: fewer than {MIN_SAMPLES} samples per method at budget {', '.join(few)}: "
-                    "that order is not resolved"
-                )
-            tables[f"{safe_name(bench)}_ranking"] = (caption, ranking, 1)
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))
