@@ -40,7 +40,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
 ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
-             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch",
+             "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch", "workers",
              "kv_precision")  # fmt: skip
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
 METHOD_KEYS = ("name", "budget", "params")  # a method's node: its name, R and its parameters
@@ -260,6 +260,9 @@ def _run_option_errors(raw: dict[str, Any]) -> list[str]:
         for key in ("retry_failed", "warmup", "overwrite", "share_prefill")
         if not isinstance(raw.get(key, False), bool)
     ]
+    workers = raw.get("workers", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        errors.append(f"workers: must be an integer >= 1 (processes, one per core), got {workers!r}")
     checks = (
         (check_decode_batch, raw.get("decode_batch", DEFAULT_DECODE_BATCH)),
         (check_budget_unit, raw.get("budget_unit", DEFAULT_BUDGET_UNIT)),
@@ -315,10 +318,9 @@ def build_run_config(
         errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit, model.resolved()[1]))
     if errors:
         raise ConfigError(errors)
-    experiment = read.experiment
-    job_dir = Path(raw.get("results_dir") or "results").resolve() / experiment / job
+    job_dir = Path(raw.get("results_dir") or "results").resolve() / read.experiment / job
     return RunConfig(
-        experiment=experiment,
+        experiment=read.experiment,
         job=job,
         job_dir=job_dir,
         model=model,
@@ -331,6 +333,7 @@ def build_run_config(
         overwrite=bool(raw.get("overwrite", False)),
         share_prefill=bool(raw.get("share_prefill", True)),
         decode_batch=read.decode_batch,
+        workers=int(raw.get("workers", 1)),
     )
 
 

@@ -144,11 +144,13 @@ class RunConfig:
     overwrite: bool = False  # a job folder holding another config's records: set them aside, start again
     share_prefill: bool = True  # kvpress presses compress forks of one shared prefill (eval.evaluate)
     decode_batch: int = DEFAULT_DECODE_BATCH  # forks decoded together at most; 1: each alone, with TPOT
+    workers: int = 1  # processes the samples are spread over (eval.workers); not in the identity
     overrides: tuple[str, ...] = ()  # the command line's overrides that name the job (`named_job`)
 
     def identity(self) -> dict[str, Any]:
         """Everything that changes the job's numbers, as flat `key: value` pairs (saved in config.yaml;
-        a resumed job must match it). Not in it: where results go, logging, retry_failed, overwrite."""
+        a resumed job must match it). Not in it: where results go, logging, retry_failed, overwrite,
+        workers (the records are the same over any number)."""
         device, dtype = self.model.resolved()
         identity: dict[str, Any] = {
             "model.name": self.model.name,

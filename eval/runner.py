@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
@@ -197,17 +196,16 @@ def _load_existing(store: JobStore) -> list[dict[str, Any]]:
 def _load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
     """The job's model, tokenizer and samples, with the head files its methods need (calibrated now
     when missing, never inside a compression); SetupError (one line) when any of it fails."""
-    from centroidkv import get_method, load_model, load_tokenizer
-    from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, model_kind
+    from centroidkv import get_method
+    from centroidkv.model_names import HUB_MODELS, model_kind
     from eval.calibrate import calibrate_missing
 
     if cfg.model.name in HUB_MODELS or model_kind(cfg.model.name) == "hub" or cfg.benchmark.needs_hub:
         offline_unless_reachable()
-    device, dtype = cfg.model.resolved()
+    from eval.workers import load_model_for
+
     try:
-        model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)
-        if tokenizer is None:  # tiny random models: the embedded tokenizer, ids folded into their vocabulary
-            tokenizer = load_tokenizer(EMBEDDED_MODEL)
+        model, tokenizer = load_model_for(cfg)
         samples = cfg.benchmark.samples(tokenizer)
         calibrate_missing(model, [get_method(spec.name, **spec.params) for spec in cfg.methods])
     except (RuntimeError, OSError, ImportError, ValueError) as error:  # hub unreachable, missing data
@@ -223,23 +221,38 @@ def _run_samples(
     keep: Callable[[dict[str, Any]], None],
     records: dict,
 ) -> None:
-    """Each sample's pending methods through the evaluator, every record to `keep` as it comes; the
-    progress bar shows the running score of `records` (kept ones included)."""
-    bar = tqdm(samples, desc=f"{cfg.experiment}/{cfg.job}", unit="sample", dynamic_ncols=True)
-    for sample in bar:
+    """Each sample's pending methods through the evaluator (or `cfg.workers` processes of their own:
+    `eval.workers`), every record to `keep` as it comes; the progress bar shows the running score of
+    `records` (kept ones included)."""
+    work = []
+    for sample in samples:
         probe = evaluator.base_record(sample)
         pending = [s for s in cfg.methods if record_key({**probe, **evaluator.spec_fields(s)}) not in done]
-        if not pending:
-            continue
-        for record in evaluator.iter_sample(
-            sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
-        ):
-            keep(record)
+        if pending:
+            work.append((sample, pending))
+    skipped = len(samples) - len(work)
+    bar = tqdm(total=len(samples), initial=skipped, desc=f"{cfg.experiment}/{cfg.job}", unit="sample")
+
+    def sample_done() -> None:
+        bar.update(1)
         ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
         if ok:
             bar.set_postfix(
                 score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
             )
+
+    if cfg.workers > 1:
+        from eval.workers import run_in_workers
+
+        run_in_workers(cfg, work, keep, sample_done)
+    else:
+        for sample, pending in work:
+            for record in evaluator.iter_sample(
+                sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
+            ):
+                keep(record)
+            sample_done()
+    bar.close()
 
 
 def config_yaml_of(cfg: RunConfig, composed: Any) -> str:
