@@ -231,28 +231,28 @@ def _run_samples(
         if pending:
             work.append((sample, pending))
     skipped = len(samples) - len(work)
-    bar = tqdm(total=len(samples), initial=skipped, desc=f"{cfg.experiment}/{cfg.job}", unit="sample")
+    # closed on an interrupt too, so that the one error line starts a line of its own
+    with tqdm(total=len(samples), initial=skipped, desc=f"{cfg.experiment}/{cfg.job}", unit="sample") as bar:
 
-    def sample_done() -> None:
-        bar.update(1)
-        ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
-        if ok:
-            bar.set_postfix(
-                score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
-            )
+        def sample_done() -> None:
+            bar.update(1)
+            ok = [r for r in records.values() if r["status"] == "ok" and r.get("score") is not None]
+            if ok:
+                bar.set_postfix(
+                    score=f"{sum(r['score'] for r in ok) / len(ok):.1f}", failed=len(records) - len(ok)
+                )
 
-    if cfg.workers > 1:
-        from eval.workers import run_in_workers
+        if cfg.workers > 1:
+            from eval.workers import run_in_workers
 
-        run_in_workers(cfg, work, keep, sample_done)
-    else:
-        for sample, pending in work:
-            for record in evaluator.iter_sample(
-                sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
-            ):
-                keep(record)
-            sample_done()
-    bar.close()
+            run_in_workers(cfg, work, keep, sample_done)
+        else:
+            for sample, pending in work:
+                for record in evaluator.iter_sample(
+                    sample, pending, cfg.benchmark.max_new_tokens, cfg.benchmark.ignore_eos
+                ):
+                    keep(record)
+                sample_done()
 
 
 def config_yaml_of(cfg: RunConfig, composed: Any) -> str:
