@@ -23,6 +23,7 @@ PUBLISHED = [
     ("docs/results.md", "### 16k tokens (`make long", "results/long/records.jsonl.gz"),
     ("docs/results.md", "### 4k tokens: the head-policy factorial", "results/heads-qwen2.5-0.5b/records.jsonl.gz"),
     ("README.md", "**SmolLM2, 4k: the heads carry the lead", "results/heads/records.jsonl.gz"),
+    ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu/records.jsonl.gz"),
     ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads/records.jsonl.gz"),
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low/records.jsonl.gz", 0.0625),
 ]  # fmt: skip
