@@ -90,7 +90,7 @@ WORKERS ?= $(if $(filter smollm2-135m,$(MODEL)),$(shell nproc 2>/dev/null || ech
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables zoo ablate ablate-centroidkv heads precision long
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables published zoo ablate ablate-centroidkv heads precision long
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) workers=$(WORKERS) $(ARGS)
@@ -161,6 +161,11 @@ speed: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=speed model=$(MODEL) $(ARGS)
 	$(PYTHON) scripts/tables.py results/speed
 	$(PYTHON) scripts/figures.py results/speed --out paper_figures
+
+# Every published table again from the committed compact records alone (results/*.jsonl.gz ->
+# results/<experiment>/tables/): `rm -rf results/*/ && make published` (seconds).
+published: $(STAMP)
+	$(PYTHON) scripts/compact_records.py tables results/*.jsonl.gz
 
 tables: $(STAMP)
 	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || true; done

@@ -2,9 +2,10 @@
 so that a reader can regenerate every table without rerunning anything.
 
   python scripts/compact_records.py export results/<experiment> --command "make reproduce-ruler"
-      -> results/<experiment>/records.jsonl.gz (the default --out; a few KB per 100 records)
-  python scripts/compact_records.py tables results/<experiment>/records.jsonl.gz [--out DIR]
-      -> the tables of `scripts/tables.py` from the compact file alone (default DIR: beside it, tables/)
+      -> results/<experiment>.jsonl.gz (the default --out; a few KB per 100 records)
+  python scripts/compact_records.py tables results/*.jsonl.gz [--out DIR]
+      -> the tables of `scripts/tables.py` from each compact file alone (default: results/<experiment>/tables/,
+         so `rm -rf results/*/` removes every generated file and keeps the compact records)
 
 The file's first line is {"compact": 1, "commit", "command", "identities": {experiment/job: the
 job's saved identity}}; each further line is one record with only COMPACT_FIELDS. `tables` expands
@@ -38,6 +39,7 @@ TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_rati
                 "protocol", "context_length", "depth", "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
 COMPACT_FIELDS = tuple(dict.fromkeys((*KEY_FIELDS, *TABLE_FIELDS, *(m.name for m in table_measurements()))))
 FORMAT_VERSION = 1
+SUFFIX = ".jsonl.gz"  # results/<experiment>.jsonl.gz: beside the (generated, git-ignored) experiment folders
 
 
 def _commit() -> str | None:
@@ -108,6 +110,12 @@ def expand(compact: Path, folder: Path) -> list[Path]:
     return [folder / job for job in by_job]
 
 
+def default_tables_folder(compact: Path) -> Path:
+    """results/<experiment>.jsonl.gz -> results/<experiment>/tables (the folder `scripts/tables.py` uses)."""
+    name = compact.name.removesuffix(SUFFIX) if compact.name.endswith(SUFFIX) else compact.stem
+    return compact.parent / name / "tables"
+
+
 def tables_from_compact(compact: Path, out: Path) -> list[Path]:
     """The tables of `scripts/tables.py` from the compact file alone."""
     from scripts.tables import load_or_error, write_tables
@@ -127,19 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="action", required=True)
     exporting = commands.add_parser("export", help="records under a folder -> a compact file")
     exporting.add_argument("path", type=Path)
-    exporting.add_argument("--out", type=Path, help="default: <path>/records.jsonl.gz")
+    exporting.add_argument(
+        "--out", type=Path, help="default: <path>.jsonl.gz, beside the experiment's folder"
+    )
     exporting.add_argument("--command", required=True, help="the command that produced the records")
-    tabling = commands.add_parser("tables", help="a compact file -> the tables")
-    tabling.add_argument("compact", type=Path)
-    tabling.add_argument("--out", type=Path, help="default: <compact's folder>/tables")
+    tabling = commands.add_parser("tables", help="compact files -> their tables")
+    tabling.add_argument("compact", type=Path, nargs="+")
+    tabling.add_argument(
+        "--out", type=Path, help="one file's tables here (default: <experiment>/tables beside it)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.action == "export":
-            out = args.out or args.path / "records.jsonl.gz"
+            out = args.out or args.path.parent / f"{args.path.name}{SUFFIX}"
             print(f"[compact] {export([args.path], out, args.command)} records -> {out}")
+        elif args.out and len(args.compact) > 1:
+            raise ValueError("--out takes one compact file's tables; give one file or no --out")
         else:
-            written = tables_from_compact(args.compact, args.out or args.compact.parent / "tables")
-            print(f"[tables] {len(written)} files from {args.compact}")
+            for compact in args.compact:
+                written = tables_from_compact(compact, args.out or default_tables_folder(compact))
+                print(f"[tables] {len(written)} files from {compact}")
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
-"""Issue 40, item 1: the tables regenerate from committed compact records. results/tiny_example/
-records.jsonl.gz was exported from a real tiny-llama job (its first line names the commit and the
+"""Issue 40, item 1: the tables regenerate from committed compact records. results/
+tiny_example.jsonl.gz was exported from a real tiny-llama job (its first line names the commit and the
 command); tests/fixtures/tiny_example_tables/ holds the tables `scripts/tables.py` wrote from the full
 records of that job. Regenerating from the compact file alone must give every number again."""
 
@@ -14,7 +14,7 @@ import pytest
 from scripts import compact_records
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPACT = ROOT / "results" / "tiny_example" / "records.jsonl.gz"
+COMPACT = ROOT / "results" / "tiny_example.jsonl.gz"
 EXPECTED = ROOT / "tests" / "fixtures" / "tiny_example_tables"
 
 

@@ -20,12 +20,12 @@ VARIANT_PREFIX = {"CentroidKV": "centroidkv", "K-Means": "kmeans", "SnapKV": "sn
 # (document, the line that the table follows, the compact records behind it[, the budget of a table
 # whose columns name none])
 PUBLISHED = [
-    ("docs/results.md", "### 16k tokens (`make long", "results/long/records.jsonl.gz"),
-    ("docs/results.md", "### 4k tokens: the head-policy factorial", "results/heads-qwen2.5-0.5b/records.jsonl.gz"),
-    ("README.md", "**SmolLM2, 4k: the heads carry the lead", "results/heads/records.jsonl.gz"),
-    ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu/records.jsonl.gz"),
-    ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads/records.jsonl.gz"),
-    ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low/records.jsonl.gz", 0.0625),
+    ("docs/results.md", "### 16k tokens (`make long", "results/long.jsonl.gz"),
+    ("docs/results.md", "### 4k tokens: the head-policy factorial", "results/heads-qwen2.5-0.5b.jsonl.gz"),
+    ("README.md", "**SmolLM2, 4k: the heads carry the lead", "results/heads.jsonl.gz"),
+    ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu.jsonl.gz"),
+    ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads.jsonl.gz"),
+    ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
 ]  # fmt: skip
 
 
@@ -73,3 +73,24 @@ def test_a_published_table_is_what_its_committed_records_give(tmp_path, publishe
         for (label, at), published in cells.items():
             if at == budget:
                 assert round(float(averages[label]), 1) == published, (document, label, budget)
+
+
+def test_the_one_command_regenerates_every_readme_table_from_the_compact_files_alone(tmp_path):
+    """`rm -rf results/*/ && make published`: the tables it writes from the committed compact files
+    (nothing else under results/) hold every number of README.md's tables."""
+    from scripts.compact_records import default_tables_folder, main
+
+    readme = [entry for entry in PUBLISHED if entry[0] == "README.md"]
+    copies = []
+    for _, _, compact, *_ in readme:
+        copies.append(tmp_path / Path(compact).name)
+        copies[-1].write_bytes((ROOT / compact).read_bytes())
+    assert main(["tables", *map(str, copies)]) == 0
+    for (document, after, _, *budget), copy in zip(readme, copies, strict=True):
+        cells = published_cells(markdown_table(ROOT / document, after), *budget or [None])
+        assert cells, "no cell read from the table"
+        written = default_tables_folder(copy)
+        for (label, at), published in cells.items():
+            rows = markdown_table(written / f"ruler_budget{at:g}.md", "**")
+            averages = {row["Method"]: float(row["Avg"].strip("*")) for row in rows}
+            assert averages[label] == published, (document, label, at)
