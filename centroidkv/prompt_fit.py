@@ -1,5 +1,5 @@
 """Whether a prompt fits in a model's positions, and a context cut in the middle until it does (as
-LongBench truncates): what `centroidkv.generate` checks before any model loads."""
+LongBench truncates): what `scripts/generate.py` checks before any model loads."""
 
 from __future__ import annotations
 

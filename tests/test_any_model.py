@@ -10,10 +10,10 @@ import shlex
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from centroidkv import generate
 from centroidkv.calibrate import user_head_file
 from centroidkv.model_names import model_identity, model_kind
 from eval import calibrate
+from scripts import generate
 
 
 def save_small_model(folder, tokenizer, layers: int = 2) -> None:

@@ -53,7 +53,7 @@ def test_generate_help_shows_the_defaults_and_the_model_names():
     from centroidkv.model_names import EMBEDDED_MODEL, MODEL_NAMES
 
     shown = subprocess.run(
-        [sys.executable, "-m", "centroidkv.generate", "--help"],
+        [sys.executable, "scripts/generate.py", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -85,7 +85,7 @@ def test_an_unreachable_hub_is_found_in_seconds_by_generate(tmp_path):
     env.pop("HF_HUB_OFFLINE", None)
     started = time.monotonic()
     shown = subprocess.run(
-        [sys.executable, "-m", "centroidkv.generate", "--model", "llama3.1-8b", "--prompt", "hi"],
+        [sys.executable, "scripts/generate.py", "--model", "llama3.1-8b", "--prompt", "hi"],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert shown.returncode != 0 and time.monotonic() - started < 60, shown.stderr

@@ -1,4 +1,4 @@
-"""`python -m centroidkv.generate`: one-line errors before the model loads, one answer per method and
+"""`python scripts/generate.py`: one-line errors before the model loads, one answer per method and
 question (a kvpress press among the methods, two --question) from the command line with --json, every method under one protocol, method
 parameters in the method's name, and a method that cannot run answering one line while the others go on."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import centroidkv.models
-from centroidkv.generate import main
+from scripts.generate import main
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_a_whole_prompt_runs_every_method_full_prompt_and_refuses_a_press_alone(
 
 PROBE = """
 import sys
-from centroidkv.generate import main
+from scripts.generate import main
 status = main(sys.argv[1:])
 print("exit", status, "torch" in sys.modules, file=sys.stderr)
 """

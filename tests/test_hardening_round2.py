@@ -22,11 +22,11 @@ from test_harness import config_error_line, run_cfg
 from test_job_safety import RUN, TINY, env, wait_for_records
 
 import centroidkv.models
-from centroidkv.generate import main as generate_main
 from eval.records import JobMismatch, ResultsFolderError, check_results_folder, read_records
 from eval.run_config import ConfigError
 from eval.runner import config_yaml_of, run_job
 from scripts import figures, tables
+from scripts.generate import main as generate_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,6 @@ import centroidkv.models
 from centroidkv import schema
 from centroidkv.calibrate import read_head_file
 from centroidkv.files import is_file, replaced_atomically, write_atomic
-from centroidkv.generate import main as generate_main
 from eval import calibrate as eval_calibrate
 from eval import runner
 from eval.job_store import JobStore
@@ -29,6 +28,7 @@ from eval.records import JobMismatch, ResultsFolderError
 from eval.runner import config_yaml_of, run_job
 from eval.schema import known_keys, missing_param_hint, suggestion
 from scripts import tables
+from scripts.generate import main as generate_main
 from scripts.latex import LATEX_SPECIALS, latex_escape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
