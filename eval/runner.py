@@ -232,7 +232,14 @@ def _run_samples(
             work.append((sample, pending))
     skipped = len(samples) - len(work)
     # closed on an interrupt too, so that the one error line starts a line of its own
-    with tqdm(total=len(samples), initial=skipped, desc=f"{cfg.experiment}/{cfg.job}", unit="sample") as bar:
+    bar = tqdm(
+        total=len(samples),
+        initial=skipped,
+        desc=f"{cfg.experiment}/{cfg.job}",
+        unit="sample",
+        dynamic_ncols=True,
+    )
+    with bar:
 
         def sample_done() -> None:
             bar.update(1)
