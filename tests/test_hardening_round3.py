@@ -7,6 +7,7 @@ the loaders are replaced by stand-ins that fail the test if reached where they m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,9 +24,10 @@ from centroidkv.calibrate import read_head_file
 from centroidkv.files import is_file, replaced_atomically, write_atomic
 from centroidkv.generate import main as generate_main
 from eval import calibrate as eval_calibrate
-from eval import runner
+from eval import runner, sweep
 from eval.job_store import JobStore
 from eval.records import JobMismatch, ResultsFolderError
+from eval.run_config import ConfigError
 from eval.runner import config_yaml_of, run_job
 from eval.schema import known_keys, missing_param_hint, suggestion
 from scripts import tables
@@ -283,6 +285,24 @@ def test_a_finished_job_is_skipped_without_writing(tmp_path, monkeypatch, capsys
         .endswith(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
     )
     assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
+
+
+def test_a_finished_job_on_a_read_only_filesystem_passes_the_launch_check(tmp_path, monkeypatch):
+    """Before: run.py's check of every job folder before launch (`eval.sweep.check_job_folders`)
+    probed the folder for writing first, so `scripts/run.py` refused a finished job on a read-only
+    filesystem ("cannot be written: Read-only file system", exit 2) before the runner could skip it."""
+    cfg, raw, records = finished_job(tmp_path)
+    before = {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()}
+
+    def read_only(*args, **kwargs):
+        raise ResultsFolderError(f"cannot write in {cfg.job_dir}: Read-only file system")
+
+    monkeypatch.setattr(sweep, "check_results_folder", read_only)
+    monkeypatch.setattr(JobStore, "check_not_running", read_only)
+    sweep.check_job_folders([cfg])  # skipped as finished: only its identity is checked
+    assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
+    with pytest.raises(ConfigError, match="Read-only file system"):  # a job that would write is refused
+        sweep.check_job_folders([dataclasses.replace(cfg, overwrite=True)])
 
 
 # ------------------------------------------------------------------ D4, D5. budgets that cannot keep anything
