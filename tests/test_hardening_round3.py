@@ -382,3 +382,21 @@ def test_records_say_what_a_packed_store_holds_and_when_it_kept_every_token(tiny
     assert plain["kept_every_token"] is False
     assert plain["kv_final_ratio"] == pytest.approx(plain["kv_budget_ratio"], rel=0.2)
     assert full["kept_every_token"] is None
+
+
+# ------------------------------------------------------------------ D4. the window named at run time too
+def test_a_byte_budget_the_query_window_takes_names_the_window_at_run_time(tiny_model):
+    """The launch check estimates the window's share on the nominal length; a sample's prompt and new
+    tokens are fewer (958 of a 1024-token niah sample on SmolLM2: 5.0 %, not 4.7 %). Before, budgets
+    0.047-0.05 there passed it and every record failed blaming "heads kept whole" (SnapKV keeps none)."""
+    from centroidkv import get_method
+    from centroidkv.plan import CONTEXT_ONLY, Prompt, Run
+    from centroidkv.plan import run as plan_run
+
+    ids = torch.randint(10, tiny_model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    context, question = ids[:195].tolist(), ids[195:].tolist()
+    prompt = Prompt(context, question, context, question, CONTEXT_ONLY)
+    (outcome,) = plan_run(tiny_model, prompt, [Run(get_method("snapkv"), 0.01)], 12, set())
+    message = str(outcome.error)
+    assert "the window of the last 32 queries (window_size)" in message, message
+    assert "heads kept whole" not in message and "lower window_size" in message
