@@ -50,17 +50,24 @@ def check_budget_unit(unit: str) -> None:
         )
 
 
-def solve_entries(stored_bytes: Callable[[int], int], target_bytes: int, upper: int) -> int:
+def solve_entries(
+    stored_bytes: Callable[[int], int],
+    target_bytes: int,
+    upper: int,
+    besides: tuple[str, str] = ("heads kept whole", "keep fewer heads whole"),
+) -> int:
     """The largest entry count B in [0, upper] with stored_bytes(B) <= target_bytes.
 
     `stored_bytes` must be non-decreasing in B (it is: more entries never store less). Raises
-    ValueError when even B = 0 stores more than the target (e.g. heads kept whole exceed it).
+    ValueError when even B = 0 stores more than the target, naming `besides`: (what is stored besides
+    the compressed entries, what would lower it).
     """
     if stored_bytes(0) > target_bytes:
+        what, remedy = besides
         raise ValueError(
             f"a byte budget of {target_bytes} bytes cannot be met: what is stored besides the compressed "
-            f"entries (heads kept whole) already takes {stored_bytes(0)} bytes; raise the budget, keep "
-            "fewer heads whole, or use budget_unit=entries"
+            f"entries ({what}) already takes {stored_bytes(0)} bytes; raise the budget, {remedy}, or use "
+            "budget_unit=entries"
         )
     low, high = 0, upper  # invariant: stored_bytes(low) <= target
     while low < high:

@@ -69,10 +69,23 @@ def solve_byte_plan(cache: CompressedCache, layer: CompressedLayer) -> list[int]
         return fixed + kept_bytes + batch * heads_bytes
 
     try:
-        total = solve_entries(stored_bytes, target, upper=full_len)
+        total = solve_entries(stored_bytes, target, full_len, stored_besides(cache, kept_bytes, fixed))
     except ValueError as error:
         raise ValueError(f"{method.name} at budget {cache.budget:g} in bytes: {error}") from None
     return [method.layer_budget(total, index, n_layers) for index in range(n_layers)]
+
+
+def stored_besides(cache: CompressedCache, kept_bytes: int, fixed: int) -> tuple[str, str]:
+    """What a cache stores besides its compressed entries, in bytes, and what would lower it: heads
+    kept whole, the window of recent queries (SnapKV's `window_size`), other fixed buffers."""
+    window = sum(cache.window_needs.values())
+    named = f"the window of the last {window} queries (window_size)" if window else "fixed buffers"
+    parts = [(name, int(size)) for name, size in (("heads kept whole", kept_bytes), (named, fixed)) if size]
+    remedies = ["keep fewer heads whole"] if kept_bytes else []
+    remedies += ["lower window_size"] if window and fixed else []
+    if len(parts) > 1:  # each part's share
+        return "; ".join(f"{name}: {size} bytes" for name, size in parts), ", ".join(remedies)
+    return (parts[0][0] if parts else "nothing"), ", ".join(remedies) or "keep fewer heads whole"
 
 
 def head_bytes_of(

@@ -46,7 +46,12 @@ class JobStore:
 
     @property
     def finished(self) -> bool:
-        return (self.dir / DONE).exists()
+        return os.path.exists(self.dir / DONE)  # never raises (a name too long is not finished)
+
+    def skipped_as_finished(self, overwrite: bool) -> bool:
+        """Whether a run skips this job as finished: it needs no write, so neither the folder check nor
+        the lock (a read-only filesystem included); only its identity is checked."""
+        return not overwrite and self.finished and not self.dir.is_symlink()
 
     @property
     def has_results(self) -> bool:

@@ -82,9 +82,7 @@ def run_job(cfg: RunConfig, config_yaml: str) -> dict[str, Any] | None:
     record succeeded, or when it is interrupted (Ctrl-C: JobInterrupted, exit status 130).
     """
     store = JobStore(cfg.job_dir)
-    if not cfg.overwrite and store.finished and not cfg.job_dir.is_symlink():
-        # a finished job needs no write, so neither the folder check nor the lock (a read-only
-        # filesystem included); its identity must still be this config's
+    if store.skipped_as_finished(cfg.overwrite):  # its identity must still be this config's
         store.check_identity(cfg.identity())
         print(finished_message(cfg.job_dir))
         return None

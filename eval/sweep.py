@@ -175,7 +175,8 @@ def _swept(jobs: list[list[str]]) -> set[str]:
 
 def check_job_folders(configs: list[RunConfig]) -> None:
     """Raise ConfigError unless every job has its own folder, writable, with room, not being run by
-    another live run, free of another config's records (an `overwrite` job will set those aside)."""
+    another live run, free of another config's records (an `overwrite` job will set those aside). A
+    job a run will skip as finished needs no write: only its identity is checked."""
     errors: list[str] = []
     seen: dict[Path, int] = {}
     for index, cfg in enumerate(configs):
@@ -187,8 +188,9 @@ def check_job_folders(configs: list[RunConfig]) -> None:
             continue
         seen[cfg.job_dir] = index
         try:
-            check_results_folder(cfg.job_dir, cfg.needed_bytes)
-            JobStore(cfg.job_dir).check_not_running()  # one line per locked job, before any job starts
+            if not JobStore(cfg.job_dir).skipped_as_finished(cfg.overwrite):  # finished: no write
+                check_results_folder(cfg.job_dir, cfg.needed_bytes)
+                JobStore(cfg.job_dir).check_not_running()  # one line per locked job, before any job starts
             if not cfg.overwrite:
                 JobStore(cfg.job_dir).check_identity(cfg.identity())
         except JobError as error:

@@ -68,7 +68,7 @@ def skipped_as_finished(run_cfg: RunConfig) -> bool:
     from eval.records import finished_message
 
     store = JobStore(run_cfg.job_dir)
-    if run_cfg.overwrite or not store.finished:
+    if not store.skipped_as_finished(run_cfg.overwrite):
         return False
     store.check_identity(run_cfg.identity())
     print(finished_message(run_cfg.job_dir))
