@@ -91,6 +91,9 @@ def test_an_unreachable_hub_is_found_in_seconds_by_generate(tmp_path):
     assert shown.returncode != 0 and time.monotonic() - started < 60, shown.stderr
     lines = shown.stderr.strip().splitlines()  # one line, which says the Hub is not there
     assert len(lines) == 1 and lines[0].startswith("error:") and "Hugging Face Hub" in lines[0], lines
+    # the probe's finding, not "HF_HUB_OFFLINE is set" (the probe set it) nor "set HF_HUB_OFFLINE=1"
+    assert "is unreachable (no connection to 127.0.0.1:9 within 3 s)" in lines[0], lines
+    assert "HF_HUB_OFFLINE" not in lines[0], lines
 
 
 def test_hydra_copies_of_its_repository_share_the_config_store():
