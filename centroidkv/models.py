@@ -375,9 +375,12 @@ def _from_hub(loader, repo_id: str, **kwargs):
     except OSError as error:  # covers connection errors, gated repos, missing files
         if Path(repo_id).is_dir():
             raise RuntimeError(f"cannot load the model in {repo_id}: {first_line(error)}") from None
-        offline = "offline (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else "unreachable"
+        from centroidkv.hub_probe import hub_state
+
+        state = hub_state()
+        faster = "" if os.environ.get("HF_HUB_OFFLINE") else ", or set HF_HUB_OFFLINE=1 to fail at once"
         raise RuntimeError(
-            f"cannot load {repo_id!r}: the Hugging Face Hub is {offline}, gated or not logged in, and the "
-            f"local Hugging Face cache lacks it; give a local folder saved with save_pretrained, or set "
-            f"HF_HUB_OFFLINE=1 to fail at once ({first_line(error)})"
+            f"cannot load {repo_id!r}: the Hugging Face Hub is {state}, gated or not logged in, and the "
+            f"local Hugging Face cache lacks it; give a local folder saved with save_pretrained{faster} "
+            f"({first_line(error)})"
         ) from None

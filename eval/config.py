@@ -69,6 +69,7 @@ def store_configs() -> None:
     from eval.schema import config_schema
 
     schema = config_schema()  # the registries' names and defaults, cached: torch is not imported
+    share_store_on_copy()
     store = ConfigStore.instance()
     registered = {
         "model": schema["models"],
@@ -89,6 +90,16 @@ def store_configs() -> None:
     for name in registered["benchmark"]:
         node = build_benchmark({"name": name})[0].params()
         store.store(group="benchmark", name=name, node=node, provider="centroidkv")
+
+
+def share_store_on_copy() -> None:
+    """Hydra deep-copies its config repository once per config group it lists or composes, and with
+    it the ConfigStore singleton, every method's node included (`run.py --help`: 75 copies, over a
+    second). The copy keeps the repository's list of sources apart; the store is only read through it
+    (`ConfigStore.load` returns a copy of a node), so every copy shares the one store."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.__deepcopy__ = lambda self, memo: self
 
 
 METHOD_ENTRY_KEYS = ("name", "variant", "params")

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from centroidkv.errors import first_line
 from eval.config import CONFIG_DIR, build_run_config, first_pass_errors, store_configs
+from eval.finished_jobs import finished_by_key, plain_config
 from eval.job_names import named_job
 from eval.job_store import JobStore
 from eval.records import JobError, check_results_folder
@@ -59,9 +60,19 @@ def multirun_notice(argv: list[str], n_jobs: int) -> str | None:
     )
 
 
-def plan(argv: list[str]) -> list[RunConfig] | None:
+class FinishedJobs(Exception):
+    """Every job of the command line is finished under its identity, known before torch is imported
+    (`eval.finished_jobs`): `job_dirs`, in Hydra's order."""
+
+    def __init__(self, job_dirs: list[Path]):
+        super().__init__(", ".join(map(str, job_dirs)))
+        self.job_dirs = job_dirs
+
+
+def plan(argv: list[str], skip_finished: bool = False) -> list[RunConfig] | None:
     """The validated jobs of a `scripts/run.py` command line, in Hydra's order; None when the command
-    line only asks Hydra for information (--help, --cfg, ...). Raises ConfigError (one line each)."""
+    line only asks Hydra for information (--help, --cfg, ...). Raises ConfigError (one line each), and
+    with `skip_finished` FinishedJobs when every job is known finished before any method is built."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path, get_args_parser
     from hydra.core.global_hydra import GlobalHydra
@@ -96,6 +107,8 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
             with open_dict(cfg):
                 del cfg["hydra"]  # its interpolations only resolve inside a running job
             composed.append((cfg, dirname))
+        if skip_finished:
+            _raise_if_finished(composed)
         configs = _validated(jobs, composed)
     except ConfigError:
         raise
@@ -107,6 +120,13 @@ def plan(argv: list[str]) -> list[RunConfig] | None:
         GlobalHydra.instance().clear()
     check_job_folders(configs)
     return configs
+
+
+def _raise_if_finished(composed: list[tuple[Any, str]]) -> None:
+    """FinishedJobs when the key a full check left in each job's folder is this config's."""
+    found = [finished_by_key(plain_config(cfg), dirname) for cfg, dirname in composed]
+    if found and all(found):
+        raise FinishedJobs([job_dir for job_dir in found if job_dir is not None])
 
 
 def _validated(jobs: list[list[str]], composed: list[tuple[Any, str]]) -> list[RunConfig]:

@@ -183,7 +183,7 @@ def error_table(args: argparse.Namespace) -> dict[str, float]:
             dict(layer.windows),
             layer.keys,
             zeros,
-            rotary=recorder.rotary,
+            rotary=recorder.rotary[layer.layer_idx] if recorder.rotary else None,  # one table per layer
         )
         for name, method in (("centroidkv", csm), ("kmeans", kmeans)):
             kept = method.compress(segment, target, stats)

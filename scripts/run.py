@@ -44,21 +44,21 @@ def main(cfg: DictConfig) -> None:
     from eval.records import JobError
 
     try:
-        if skipped_as_finished(run_cfg):
-            return
-        from eval.runner import config_yaml_of, run_job  # imports torch: only for a job that runs
+        if not skipped_as_finished(run_cfg):
+            from eval.runner import config_yaml_of, run_job  # imports torch: only for a job that runs
 
-        summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
+            summary = run_job(run_cfg, config_yaml_of(run_cfg, cfg))
+            if summary is not None:
+                dropped = summary.get("n_dropped_lines", 0)
+                print(
+                    f"[done] {run_cfg.job_dir} ({summary['n_records']} records, {summary['n_failed']} failed"
+                    + (f", {dropped} torn or corrupt lines dropped" if dropped else "")
+                    + ")"
+                )
+        remember_if_finished(run_cfg, cfg, overrides)
     except JobError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
-    if summary is not None:
-        dropped = summary.get("n_dropped_lines", 0)
-        print(
-            f"[done] {run_cfg.job_dir} ({summary['n_records']} records, {summary['n_failed']} failed"
-            + (f", {dropped} torn or corrupt lines dropped" if dropped else "")
-            + ")"
-        )
 
 
 def skipped_as_finished(run_cfg: RunConfig) -> bool:
@@ -73,6 +73,23 @@ def skipped_as_finished(run_cfg: RunConfig) -> bool:
     store.check_identity(run_cfg.identity())
     print(finished_message(run_cfg.job_dir))
     return True
+
+
+def remember_if_finished(run_cfg: RunConfig, cfg: DictConfig, overrides: str) -> None:
+    """A job found finished under this config's identity (just run, or skipped) keeps the key that
+    lets the same command line skip it before torch is imported (`eval.finished_jobs`)."""
+    from eval.finished_jobs import plain_config, remember
+    from eval.job_store import JobStore
+    from eval.records import JobError
+
+    store = JobStore(run_cfg.job_dir)
+    if not store.skipped_as_finished(run_cfg.overwrite):
+        return
+    try:
+        store.check_identity(run_cfg.identity())
+    except JobError:
+        return
+    remember(run_cfg.job_dir, plain_config(cfg), overrides, run_cfg.model.resolved()[0])
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
@@ -94,11 +111,16 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def cli(argv: list[str]) -> None:
     """Validate the whole command line, then hand it to Hydra."""
-    from eval.sweep import multirun_notice, plan
+    from eval.records import finished_message
+    from eval.sweep import FinishedJobs, multirun_notice, plan
 
     argv = hydra_argv(argv)
     try:
-        jobs = plan(argv)
+        jobs = plan(argv, skip_finished=True)
+    except FinishedJobs as finished:  # each job's key says what its full check would (eval.finished_jobs)
+        for job_dir in finished.job_dirs:
+            print(finished_message(job_dir))
+        return
     except ConfigError as error:
         for line in error.lines:
             print(f"config error: {line}", file=sys.stderr)

@@ -61,3 +61,14 @@ def test_gpu_check_dry_run(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert all(error < 1e-4 for error in (k["error"] for k in results["fused_attention"]["kernels"]))
     assert (tmp_path / "log.txt").exists()
+
+
+def test_kmeans_error_table_runs_on_the_embedded_model():
+    """Before: `make bench-kmeans` stopped in its error table (AttributeError: 'list' object has no
+    attribute 'inv_freq'): it gave the cache's per-layer list of rotary tables as one layer's."""
+    import bench_kmeans
+
+    args = bench_kmeans.parse_args(["--prompt-tokens", "400", "--queries", "8", "--iterations", "2"])
+    result = bench_kmeans.error_table(args)
+    assert 0 < result["centroidkv"] <= result["centroidkv_max"] < 1
+    assert 0 < result["kmeans"] <= result["kmeans_max"]

@@ -91,3 +91,25 @@ def test_an_unreachable_hub_is_found_in_seconds_by_generate(tmp_path):
     assert shown.returncode != 0 and time.monotonic() - started < 60, shown.stderr
     lines = shown.stderr.strip().splitlines()  # one line, which says the Hub is not there
     assert len(lines) == 1 and lines[0].startswith("error:") and "Hugging Face Hub" in lines[0], lines
+    # the probe's finding, not "HF_HUB_OFFLINE is set" (the probe set it) nor "set HF_HUB_OFFLINE=1"
+    assert "is unreachable (no connection to 127.0.0.1:9 within 3 s)" in lines[0], lines
+    assert "HF_HUB_OFFLINE" not in lines[0], lines
+
+
+def test_hydra_copies_of_its_repository_share_the_config_store():
+    """Before: `scripts/run.py --help` took 2.2 s, 75 deep copies of the ConfigStore (every method's
+    node) as Hydra listed the config groups; the help text is the same with the store shared."""
+    import copy
+
+    from hydra.core.config_store import ConfigStore
+
+    from eval.config import store_configs
+
+    store_configs()
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    assert copy.deepcopy({"store": store})["store"] is store
+    shown = subprocess.run(
+        [sys.executable, "scripts/run.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "method: " in shown and "centroidkv" in shown and "snapkv" in shown
