@@ -62,3 +62,22 @@ def test_a_run_level_precision_reaches_every_method_and_its_identity(tmp_path):
     variants = {spec.variant: spec.params["kv_precision"] for spec in run_config.methods}
     assert variants == {"full-int8": "int8", "snapkv-int8": "int8", "kivi-int4": "int4"}
     assert run_config.identity()["methods.snapkv-int8.params.kv_precision"] == "int8"
+
+
+def test_the_cost_table_shows_what_a_packed_store_ends_holding(tmp_path):
+    """A 4-bit store packs its residual group as decoding goes on, so it ends holding fewer bytes than
+    it started from: the cost table must show the end as well, or int4 looks as large as it began."""
+    from scripts.tables import load, measurements_table
+
+    cfg = compose_tiny([f"results_dir={tmp_path}", "warmup=false", "benchmark.n_samples=1", "budgets=[0.25]",
+                        "methods=[{name:centroidkv,params:{kv_precision:int4,kv_residual:8}}]"])  # fmt: skip
+    run_config = build_run_config(cfg, "job")
+    run_job(run_config, config_yaml_of(run_config, cfg))
+    records, _ = read_records(run_config.job_dir / "records.jsonl")
+    assert records and all(r["status"] == "ok" for r in records)
+
+    table = measurements_table(load([run_config.job_dir]))
+    (row,) = [table.loc[who] for who in table.index if who.endswith("@ 0.25")]
+    held_at_end = sum(r["kv_bytes_final"] for r in records) / len(records) / 2**20
+    assert row["KV MiB end"] == pytest.approx(held_at_end)
+    assert row["KV MiB end"] != pytest.approx(row["KV MiB"])  # the start alone would misstate it
