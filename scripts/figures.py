@@ -53,17 +53,8 @@ from centroidkv.methods import method_class, method_label, method_variant  # noq
 from centroidkv.parsing import is_number  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from eval.records import RECORDS, differing_keys  # noqa: E402
-from scripts.tables import (  # noqa: E402
-    ABSENT,
-    OutputError,
-    format_value,
-    kv_ratio,
-    load_or_error,
-    output_folder,
-    output_path,
-    safe_name,
-    short_key_names,
-)
+from scripts.table_files import OutputError, output_folder, output_path, safe_name  # noqa: E402
+from scripts.tables import ABSENT, format_value, kv_ratio, load_or_error, short_key_names  # noqa: E402
 
 MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
 # tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
-import math
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,8 +33,10 @@ from eval.benchmarks import benchmark_report, sample_choice_keys  # noqa: E402
 from eval.dedup import drop_repeated_records  # noqa: E402
 from eval.job_store import iter_records  # noqa: E402
 from eval.machine_load import load_note  # noqa: E402
-from eval.records import ResultsWriteError, atomic_write, differing_keys  # noqa: E402
-from scripts.latex import latex_escape  # noqa: E402
+from eval.records import differing_keys  # noqa: E402
+from scripts.ranking import MIN_SAMPLES, RESOLVED, count_words, ranking_table, top_tier, unresolved_words  # noqa: E402
+from scripts.table_files import OutputError, output_folder, output_path, safe_name, write_text  # noqa: E402
+from scripts.table_text import to_latex, to_markdown  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
 # which samples run while every record names the sample it holds (the benchmarks' `sample_choice`:
@@ -268,139 +267,6 @@ def score_table(df: pd.DataFrame, budget: float, names: Mapping[str, str] | None
     return table
 
 
-RESOLVED = 0.9  # a lead with P below this is "level": bold, rank tiers and words follow it
-# Fewer samples per method than this resolve no comparison, whatever the bootstrap says: with one
-# sample every draw is the same sample, and P(> next) only says whether two scores are equal.
-MIN_SAMPLES = 10
-
-
-def count_words(count: int, noun: str) -> str:
-    """`1 task`, `2 tasks`: a count with its noun in the right number."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def resolved_words(p: float, n_samples: int) -> str:
-    """Whether a lead with P(a > b) = `p` on `n_samples` paired samples is resolved, in words: "yes" when
-    P (either way) reaches RESOLVED on at least MIN_SAMPLES samples, else what stops it."""
-    words = [] if max(p, 1 - p) >= RESOLVED else [f"level (P {p:.2f})"]
-    if n_samples < MIN_SAMPLES:
-        words.append(f"too few samples ({n_samples} < {MIN_SAMPLES})")
-    return "; ".join(words) or "yes"
-
-
-def unresolved_words(n_samples: int) -> str:
-    """The words a table carries when `n_samples` per method cannot resolve its comparisons ("" when
-    they can): tables and rankings say it, not only their numbers."""
-    if n_samples >= MIN_SAMPLES:
-        return ""
-    return (
-        f"only {count_words(n_samples, 'sample')} per method (fewer than {MIN_SAMPLES}): "
-        "the differences between these rows are not resolved"
-    )
-
-
-def bootstrap(df: pd.DataFrame, budget: float, draws: int = 2000, seed: int = 0):
-    """The paired bootstrap of `ranking_table` at `budget`: (labels, means [methods], per_draw
-    [draws, methods], within_tasks), or None when no sample was finished by every method."""
-    rng = np.random.default_rng(seed)
-    part = df[df["ok"] & ((df["budget"] == budget) | (df["method"] == "full"))]
-    scores = part.pivot_table(index=["task", "sample_id"], columns="label", values="score", aggfunc="mean")
-    scores = scores.dropna()
-    if scores.empty:
-        return None
-    tasks = scores.index.get_level_values("task")
-    within_tasks = tasks.value_counts().min() >= 2
-    groups = (
-        [scores[tasks == task].to_numpy() for task in tasks.unique()] if within_tasks else [scores.to_numpy()]
-    )
-    per_draw = np.zeros((draws, scores.shape[1]))
-    for matrix in groups:  # [samples, methods], resampled by row
-        picks = rng.integers(0, len(matrix), size=(draws, len(matrix)))
-        per_draw += matrix[picks].mean(axis=1)
-    per_draw /= len(groups)
-    means = scores.groupby(level="task").mean().mean(axis=0).to_numpy()
-    return list(scores.columns), means, per_draw, within_tasks, len(scores)
-
-
-def p_above(per_draw: np.ndarray, a: int, b: int) -> float:
-    """The fraction of draws in which column `a` scores above column `b` (ties count half)."""
-    diff = per_draw[:, a] - per_draw[:, b]
-    return float((diff > 0).mean() + 0.5 * (diff == 0).mean())
-
-
-def ranking_table(df: pd.DataFrame, budgets: list[float], draws: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """How stable the ranking by average score is, per budget: a paired bootstrap over samples.
-
-    Each draw resamples, within every task, that task's samples with replacement (the same samples
-    for every method: they share prompts), and recomputes each method's average over tasks. Reported
-    per method: the average, its 95 % interval, and P(> next), the fraction of draws in which it
-    scores above the method ranked just below it (ties count half). P(> next) >= 0.95 means that
-    step of the ranking would survive new samples; near 0.5 means the two are not told apart.
-    `Rank` is a tier: methods joined by steps with P(> next) < RESOLVED (0.9) share one ("1-2"), so
-    the order inside a tier is not claimed. The "resolved" column says in words what the sample
-    cannot resolve: "level with <next>" for a step with P < RESOLVED, "too few samples" under
-    MIN_SAMPLES (10) samples per method (whatever P says: with one sample every draw is alike), else
-    "yes"; the caption warns when a budget has too few samples. Only samples every method at that budget finished are
-    used. A task with a single sample has nothing to resample within it (every draw would be equal,
-    claiming a certainty the data do not have), so when some task has fewer than 2 samples the draws
-    resample the samples across tasks instead, and the "bootstrap" column says so.
-    """
-    rows = []
-    for budget in budgets:
-        found = bootstrap(df, budget, draws, seed)
-        if found is None:
-            continue
-        labels, means, per_draw, within_tasks, n_samples = found
-        order = np.argsort(-means, kind="stable")
-        beats = [p_above(per_draw, a, b) for a, b in zip(order[:-1], order[1:], strict=True)] + [None]
-        tiers, start = [], 0  # [first, last] rank of each position's tier
-        for position in range(len(order)):
-            if beats[position] is None or beats[position] >= RESOLVED:
-                tiers += [(start + 1, position + 1)] * (position + 1 - start)
-                start = position + 1
-        for position, column in enumerate(order):
-            low, high = np.percentile(per_draw[:, column], [2.5, 97.5])
-            first, last = tiers[position]
-            words = []
-            if beats[position] is not None and beats[position] < RESOLVED:
-                words.append(
-                    f"level with {labels[order[position + 1]]} (P {beats[position]:.2f} < {RESOLVED:g})"
-                )
-            if n_samples < MIN_SAMPLES:
-                words.append(f"too few samples ({n_samples} < {MIN_SAMPLES})")
-            elif beats[position] is not None and not words:
-                words.append("yes")
-            rows.append(
-                {
-                    "Budget": f"{budget:g}",
-                    "Rank": f"{first}" if first == last else f"{first}-{last}",
-                    "Method": labels[column],
-                    "Avg": means[column],
-                    "95% CI": f"{low:.1f}-{high:.1f}",
-                    "P(> next)": "-" if beats[position] is None else f"{beats[position]:.2f}",
-                    "resolved": "; ".join(words) or "-",
-                    "samples": n_samples,
-                    "bootstrap": "within tasks" if within_tasks else "across tasks",
-                }
-            )
-    table = pd.DataFrame(rows)
-    return table.set_index("Budget") if not table.empty else table
-
-
-def top_tier(df: pd.DataFrame, budget: float) -> set[str]:
-    """The compressing methods level with the best of them at `budget` (P(best > m) < RESOLVED): the
-    rows whose average is bolded. Empty when the records cannot be bootstrapped."""
-    found = bootstrap(df, budget)
-    if found is None:
-        return set()
-    labels, means, per_draw, _, _ = found
-    compressing = [i for i, label in enumerate(labels) if not str(label).startswith("Full")]
-    if not compressing:
-        return set()
-    best = max(compressing, key=lambda i: means[i])
-    return {labels[i] for i in compressing if i == best or p_above(per_draw, best, i) < RESOLVED}
-
-
 def with_measurement_columns(ok: pd.DataFrame) -> list[str]:
     """Add one column per table measurement (`centroidkv.measurements`) the records hold, named by its
     title and scaled (TPOT in ms, KV in MiB); returns the titles, in registration order."""
@@ -448,42 +314,6 @@ def measurements_table(df: pd.DataFrame) -> pd.DataFrame | None:
     return _in_method_order(table, ok)
 
 
-def _fmt(value, digits: int) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int,)) or (isinstance(value, float) and value.is_integer() and digits == 0):
-        return str(int(value))
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
-
-
-COUNT_COLUMNS = {"n", "failed", "kept all", "Rank", "samples"}
-# Columns with their own number of digits.
-COLUMN_DIGITS = {"KV": 2}
-
-
-def bolded(table: pd.DataFrame) -> dict[str, set]:
-    """column -> the row labels bolded in it: the compressing methods level with the best of them by
-    the paired bootstrap (`top_tier`), set by `make_tables` in `table.attrs["bold"]`. Per-task columns
-    and counts are never bolded: a handful of samples per task resolves nothing."""
-    return table.attrs.get("bold", {})
-
-
-def _row_cells(
-    table: pd.DataFrame, label, row, bold_cells: dict, digits: int, bold: str, escape=lambda text: text
-) -> list[str]:
-    """A row's formatted cells, each passed through `escape`; a cell whose row is in its column's top
-    tier wrapped in `bold`."""
-    cells = []
-    for column in table.columns:
-        text = escape(_fmt(row[column], 0 if column in COUNT_COLUMNS else COLUMN_DIGITS.get(column, digits)))
-        if label in bold_cells.get(column, ()):
-            text = bold.format(text)
-        cells.append(text)
-    return cells
-
-
 def load_or_error(paths: list[Path]) -> pd.DataFrame | str:
     """The records under `paths`, or a one-line error when a path is missing or holds none."""
     missing = [p for p in paths if not p.exists()]
@@ -491,42 +321,6 @@ def load_or_error(paths: list[Path]) -> pd.DataFrame | str:
         return f"error: no such results: {', '.join(map(str, missing))}"
     df = load(paths)
     return df if not df.empty else f"error: no records under {', '.join(map(str, paths))}"
-
-
-def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
-
-    header = [table.index.name or ""] + list(map(str, table.columns))
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
-    best = bolded(table) if bold_best else {}
-    for label, row in table.iterrows():
-        cells = [str(label), *_row_cells(table, label, row, best, digits, "**{}**")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def to_latex(table: pd.DataFrame, caption: str, digits: int = 1, bold_best: bool = True) -> str:
-    best = bolded(table) if bold_best else {}
-    lines = [
-        r"\begin{table}[t]",
-        r"\centering",
-        r"\small",
-        rf"\caption{{{latex_escape(caption)}}}",
-        r"\begin{tabular}{l" + "r" * len(table.columns) + "}",
-        r"\toprule",
-        " & ".join([latex_escape(table.index.name or "")] + [latex_escape(c) for c in table.columns])
-        + r" \\",
-        r"\midrule",
-    ]
-    for label, row in table.iterrows():
-        cells = [
-            latex_escape(label),
-            *_row_cells(table, label, row, best, digits, r"\textbf{{{}}}", latex_escape),
-        ]
-        lines.append(" & ".join(cells) + r" \\")
-        if str(label).startswith("Full"):
-            lines.append(r"\midrule")
-    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
-    return "\n".join(lines)
 
 
 def budget_words(df: pd.DataFrame) -> str:
@@ -629,69 +423,6 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             2,
         )
     return tables
-
-
-class OutputError(RuntimeError):
-    """A table or figure file cannot be written; the message is one line."""
-
-
-# A name from the records (an experiment, a benchmark) used as it is in a file name.
-PLAIN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
-
-
-def safe_name(text: object) -> str:
-    """`text` as part of a file name. A plain name (letters, digits, _ . -, not starting with a dot, at
-    most 100 characters) is kept; any other is reduced to its plain runs joined by "_" (at most 60
-    characters) and 8 hex digits of its hash, so that two names never reduce to the same one:
-    "../../x/PWNED" -> "x_PWNED-<hash>". Records name their experiment and benchmark themselves, so a
-    results folder from elsewhere never chooses where a table or figure is written."""
-    text = str(text)
-    if PLAIN_NAME.fullmatch(text):
-        return text
-    plain = "_".join(re.findall(r"[A-Za-z0-9_-]+", text))[:60]
-    digest = hashlib.sha256(text.encode(errors="replace")).hexdigest()[:8]
-    return f"{plain}-{digest}" if plain else digest
-
-
-def output_folder(out: Path) -> Path:
-    """`out`, created when missing, unless it is a symbolic link: tables and figures are never written
-    through one (a link named like the folder may point anywhere)."""
-    if out.is_symlink():
-        raise OutputError(
-            f"error: {out} is a symbolic link; not writing through it (remove it or give another --out)"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OutputError(f"error: cannot create {out}: {error.strerror or error}") from None
-    return out
-
-
-def output_path(out: Path, name: str) -> Path:
-    """`out / name`, once checked: not a symbolic link, and, resolved, a file directly in `out`."""
-    path = writable_destination(out / name)
-    if path.resolve().parent != out.resolve():
-        raise OutputError(f"error: {name!r} is not a plain file name in {out}; not writing it")
-    return path
-
-
-def writable_destination(path: Path) -> Path:
-    """`path`, unless it is a symbolic link: an output is never written through one (it may point
-    anywhere, e.g. at a results file), and replacing the link would silently break it."""
-    if path.is_symlink():
-        raise OutputError(
-            f"error: {path} is a symbolic link; not writing through it (remove it or use --out)"
-        )
-    return path
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write `text` atomically (a temporary file in the same folder, renamed into place): a killed
-    run leaves the old file or the new one, never a cut one."""
-    try:
-        atomic_write(output_path(path.parent, path.name), text)
-    except ResultsWriteError as error:
-        raise OutputError(f"error: {error}") from None
 
 
 def write_tables(df: pd.DataFrame, out: Path) -> list[Path]:

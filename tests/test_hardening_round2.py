@@ -25,7 +25,7 @@ import centroidkv.models
 from eval.records import JobMismatch, ResultsFolderError, check_results_folder, read_records
 from eval.run_config import ConfigError
 from eval.runner import config_yaml_of, run_job
-from scripts import figures, tables
+from scripts import figures, table_files, tables
 from scripts.generate import main as generate_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -94,7 +94,7 @@ def test_a_record_naming_its_experiment_with_dot_dots_writes_nothing_outside_out
     assert list(escape.iterdir()) == []
     written = [p for p in files_under(tmp_path) if not p.is_relative_to(tmp_path / "results")]
     assert written and all(p.is_relative_to(out) for p in written)
-    prefix = tables.safe_name(ESCAPE)
+    prefix = table_files.safe_name(ESCAPE)
     assert prefix.startswith("escape_PWNED-") and "/" not in prefix and not prefix.startswith(".")
     assert (out / "figures" / f"{prefix}_toy_accuracy_vs_budget.png").is_file()
     assert (out / "tables" / f"{prefix}_toy_budget0.5.md").is_file()
@@ -106,7 +106,7 @@ def test_a_record_naming_its_benchmark_with_dot_dots_writes_nothing_outside_out(
     out = tmp_path / "out"
     assert figures.main([str(experiment), "--out", str(out / "figures")]) == 0
     assert tables.main([str(experiment), "--out", str(out / "tables")]) == 0
-    name = tables.safe_name("../../b/X")
+    name = table_files.safe_name("../../b/X")
     assert (out / "figures" / f"exp_{name}_accuracy_vs_budget.png").is_file()
     assert (out / "tables" / f"{name}_budget0.5.md").is_file()
     written = [p for p in files_under(tmp_path) if not p.is_relative_to(tmp_path / "results")]
@@ -114,12 +114,12 @@ def test_a_record_naming_its_benchmark_with_dot_dots_writes_nothing_outside_out(
 
 
 def test_safe_names_are_plain_and_never_collide_and_output_paths_stay_in_their_folder(tmp_path):
-    assert tables.safe_name("reproduce_ruler_cpu") == "reproduce_ruler_cpu"
-    names = [tables.safe_name(text) for text in ("..", ".", "a/b", "a_b/", "/etc/passwd", "x" * 300, "")]
-    assert all(tables.PLAIN_NAME.fullmatch(name) for name in names)
+    assert table_files.safe_name("reproduce_ruler_cpu") == "reproduce_ruler_cpu"
+    names = [table_files.safe_name(text) for text in ("..", ".", "a/b", "a_b/", "/etc/passwd", "x" * 300, "")]
+    assert all(table_files.PLAIN_NAME.fullmatch(name) for name in names)
     assert len(set(names)) == len(names)  # "a/b" and "a_b/" reduce to different names
-    with pytest.raises(tables.OutputError, match="not a plain file name"):
-        tables.output_path(tmp_path, "../x.md")
+    with pytest.raises(table_files.OutputError, match="not a plain file name"):
+        table_files.output_path(tmp_path, "../x.md")
 
 
 # ----------------------------------------------------------------- D1. a linked output folder

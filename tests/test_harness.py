@@ -436,7 +436,7 @@ def test_ranking_with_one_sample_per_task_resamples_across_tasks():
     tasks, so intervals have width and a method that loses one task is not certainly ahead."""
     import pandas as pd
 
-    from scripts.tables import ranking_table
+    from scripts.ranking import ranking_table
 
     scores = {"a": (100.0, 100.0, 0.0), "b": (100.0, 0.0, 100.0), "c": (100.0, 100.0, 0.0)}
     df = pd.DataFrame(

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts import tables
+from scripts import ranking, tables
 
 
 def record(method: str, budget: float, task: str, sample: int, score: float) -> dict[str, Any]:
@@ -81,4 +81,4 @@ def test_enough_samples_and_a_clear_lead_are_resolved_without_a_warning(tmp_path
 
 
 def test_count_words():
-    assert tables.count_words(1, "task") == "1 task" and tables.count_words(5, "task") == "5 tasks"
+    assert ranking.count_words(1, "task") == "1 task" and ranking.count_words(5, "task") == "5 tasks"
