@@ -267,15 +267,25 @@ def test_an_unparsable_config_yaml_is_not_called_an_older_run(tmp_path):
 
 
 # ------------------------------------------------------------------ D11. a finished job on a read-only filesystem
+def file_bytes(folder: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+
+
+def refusing_writes(folder: Path):
+    """A stand-in for every write check of `folder` on a read-only filesystem."""
+
+    def read_only(*args, **kwargs):
+        raise ResultsFolderError(f"cannot write in {folder}: Read-only file system")
+
+    return read_only
+
+
 def test_a_finished_job_is_skipped_without_writing(tmp_path, monkeypatch, capsys):
     """Before: the folder's write probe and the lock ran first, so a read-only filesystem refused a
     job that needed no write."""
     cfg, raw, records = finished_job(tmp_path)
-    before = {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()}
-
-    def read_only(*args, **kwargs):
-        raise ResultsFolderError(f"cannot write in {cfg.job_dir}: Read-only file system")
-
+    before = file_bytes(cfg.job_dir)
+    read_only = refusing_writes(cfg.job_dir)
     monkeypatch.setattr(runner, "check_results_folder", read_only)
     monkeypatch.setattr(JobStore, "lock", read_only)
     assert run_job(cfg, config_yaml_of(cfg, raw)) is None
@@ -284,7 +294,7 @@ def test_a_finished_job_is_skipped_without_writing(tmp_path, monkeypatch, capsys
         .out.strip()
         .endswith(f"[skip] {cfg.job_dir} is finished (delete done.json or pass overwrite=true to rerun it)")
     )
-    assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
+    assert file_bytes(cfg.job_dir) == before
 
 
 def test_a_finished_job_on_a_read_only_filesystem_passes_the_launch_check(tmp_path, monkeypatch):
@@ -292,15 +302,12 @@ def test_a_finished_job_on_a_read_only_filesystem_passes_the_launch_check(tmp_pa
     probed the folder for writing first, so `scripts/run.py` refused a finished job on a read-only
     filesystem ("cannot be written: Read-only file system", exit 2) before the runner could skip it."""
     cfg, raw, records = finished_job(tmp_path)
-    before = {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()}
-
-    def read_only(*args, **kwargs):
-        raise ResultsFolderError(f"cannot write in {cfg.job_dir}: Read-only file system")
-
+    before = file_bytes(cfg.job_dir)
+    read_only = refusing_writes(cfg.job_dir)
     monkeypatch.setattr(sweep, "check_results_folder", read_only)
     monkeypatch.setattr(JobStore, "check_not_running", read_only)
     sweep.check_job_folders([cfg])  # skipped as finished: only its identity is checked
-    assert {path: path.read_bytes() for path in cfg.job_dir.iterdir() if path.is_file()} == before
+    assert file_bytes(cfg.job_dir) == before
     with pytest.raises(ConfigError, match="Read-only file system"):  # a job that would write is refused
         sweep.check_job_folders([dataclasses.replace(cfg, overwrite=True)])
 
