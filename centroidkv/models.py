@@ -107,6 +107,7 @@ def converted_dir(name: str) -> Path:
             return target
         if target.exists():
             print(f"[models] {target}: {problem}; converting {name} again", file=sys.stderr)
+        _remove_leftovers(target)
         if wheel is None:
             _convert_gguf(Path(name).expanduser(), target, torch.float32)
         else:
@@ -115,6 +116,19 @@ def converted_dir(name: str) -> Path:
                 gguf = gguf_file(name, Path(work))
                 _convert_gguf(gguf, target, getattr(torch, wheel.storage_dtype))
     return target
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Remove the temporary folders of conversions of `target` that were killed (out of memory,
+    SIGKILL: a joined GGUF alone is the model's size). Called under the conversion lock, which each of
+    their writers held until it died, so none of them is in use."""
+    for prefix in ("gguf", "tmp", "broken"):
+        for leftover in target.parent.glob(f".{target.name}.{prefix}-*"):
+            if leftover.is_dir() and not leftover.is_symlink():
+                print(
+                    f"[models] removing {leftover}, left by a conversion that did not finish", file=sys.stderr
+                )
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def conversion_problem(folder: Path) -> str | None:

