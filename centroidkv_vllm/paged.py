@@ -16,9 +16,9 @@ from torch import Tensor
 from vllm import _custom_ops as ops
 
 
-def request_slots(block_row: Tensor, length: int, block_size: int) -> Tensor:
-    """Slots of a request's physical positions 0..length-1, from its block-table row."""
-    positions = torch.arange(length, dtype=torch.long)
+def request_slots(block_row: Tensor, start: int, end: int, block_size: int) -> Tensor:
+    """Slots of a request's logical positions start..end-1, from its block-table row."""
+    positions = torch.arange(start, end, dtype=torch.long)
     return block_row[positions // block_size].long() * block_size + positions % block_size
 
 

@@ -22,7 +22,7 @@ def paged_request(length: int, isa: str = "vec", seed: int = 0):
     row = torch.randperm(n_blocks + 2, generator=gen)[:n_blocks].int() + 1  # block 0 is vLLM's null block
     keys = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
     values = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
-    slots = request_slots(row, length, BLOCK)
+    slots = request_slots(row, 0, length, BLOCK)
     ops.cpu_attn_reshape_and_cache(keys, values, *split_cache(kv_cache), slots, isa)
     return kv_cache, row, slots, keys, values
 
