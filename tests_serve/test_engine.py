@@ -20,10 +20,10 @@ needs_model = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_generate(*args: str) -> tuple[dict | None, str]:
-    """`python -m centroidkv_vllm generate ARGS` in its own process: (result, log)."""
+def run_generate(*args: str, command: str = "generate") -> tuple[dict | None, str]:
+    """`python -m centroidkv_vllm COMMAND ARGS` in its own process: (result, log)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "centroidkv_vllm", "generate", *args],
+        [sys.executable, "-m", "centroidkv_vllm", command, *args],
         capture_output=True,
         text=True,
         env=ENV,
