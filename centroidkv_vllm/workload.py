@@ -32,6 +32,8 @@ class Trace:
     tokens: list[list[int]] = field(default_factory=list)
     running: list[int] = field(default_factory=list)  # requests running after each step
     free_blocks: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    step_prefill: list[bool] = field(default_factory=list)  # the step held prompt tokens
     ttft: list[float] = field(default_factory=list)  # seconds from the start, per request
     finish: list[float] = field(default_factory=list)
     seconds: float = 0.0
@@ -89,11 +91,27 @@ def run(llm: Any, workload: Workload) -> Trace:
     for index, prompt in enumerate(workload.prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
     start = time.perf_counter()
+    last = 0.0
+    preempted: set[str] = set()
     while engine.has_unfinished_requests():
+        in_prefill = {
+            r.request_id: r.num_computed_tokens
+            for r in [*scheduler.running, *scheduler.waiting]
+            if r.num_computed_tokens < r.num_prompt_tokens
+        }
         outputs = engine.step()
+        prefill = any(
+            in_prefill.get(r.request_id, 1 << 62) < r.num_computed_tokens for r in scheduler.running
+        )
         now = time.perf_counter() - start
+        trace.step_seconds.append(now - last)
+        last = now
+        trace.step_prefill.append(prefill)
         trace.running.append(len(scheduler.running))
         trace.free_blocks.append(pool.get_num_free_blocks())
+        waiting = {r.request_id for r in scheduler.waiting if r.num_output_tokens > 0}
+        trace.preemptions += len(waiting - preempted)  # back in the queue with tokens: preempted
+        preempted = waiting
         for output in outputs:
             index = int(output.request_id)
             tokens = list(output.outputs[0].token_ids)
