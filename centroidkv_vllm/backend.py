@@ -31,7 +31,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from centroidkv_vllm.config import config_of, refusal
-from centroidkv_vllm.paged import degree_attention, read_entries, request_slots
+from centroidkv_vllm.paged import (
+    DecodeBatch,
+    batched_degree_attention,
+    degree_attention,
+    read_entries,
+    request_slots,
+)
 from centroidkv_vllm.tracker import LayerCache, Tracker
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -42,9 +48,11 @@ LAYERS: dict[str, LayerCache] = {}
 
 @dataclass
 class CentroidMetadata(CPUAttentionMetadata):
-    """The stock metadata plus the requests whose entries include centroids: (index, start, length)."""
+    """The stock metadata plus the requests whose entries include centroids: those decoding one token,
+    gathered by blocks for one batched attention per layer, and the others as (index, start, length)."""
 
     merged: tuple[tuple[int, int, int], ...] = ()
+    decoding: DecodeBatch | None = None
 
 
 class CentroidBuilder(CPUAttentionMetadataBuilder):
@@ -95,7 +103,10 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
                 kernel_lens[i] = query_lens[i]
             cm = replace(cm, seq_lens=kernel_lens, max_seq_len=int(kernel_lens[:num_reqs].max()))
         metadata = super().build(common_prefix_len, cm, fast_build)
-        return CentroidMetadata(**vars(metadata), merged=merged)
+        single = [(i, int(start[i]), s, n) for i, s, n in merged if query_lens[i] == 1]
+        decoding = DecodeBatch.of(cm.block_table_tensor, single, self.block_size) if single else None
+        others = tuple(row for row in merged if query_lens[row[0]] != 1)
+        return CentroidMetadata(**vars(metadata), merged=others, decoding=decoding)
 
 
 class CentroidImpl(CPUAttentionBackendImpl):
@@ -125,9 +136,15 @@ class CentroidImpl(CPUAttentionBackendImpl):
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
         merged = getattr(attn_metadata, "merged", ())
-        if not merged:
+        decoding = getattr(attn_metadata, "decoding", None)
+        if not merged and decoding is None:
             return output
         table = LAYERS[layer.layer_name]
+        if decoding is not None:
+            rows = decoding.rows
+            output[rows] = batched_degree_attention(
+                query[rows], kv_cache, table.log_degree, decoding, self.scale
+            )
         block_size = kv_cache.shape[2]
         for index, first, length in merged:
             tokens = slice(
