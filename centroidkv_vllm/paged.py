@@ -102,30 +102,33 @@ class DecodeBatch:
 
 
 def gather_blocks(kv_cache: Tensor, log_degree: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Keys and values [M, H, nb * bs, D] and log-degrees [M, H, nb * bs] of whole blocks [M, nb]."""
+    """Whole blocks [M, nb] in float32, in their stored layout: keys [M, nb, H, D, bs], values
+    [M, nb, H, bs, D], and log-degrees [M, H, nb * bs]."""
     num_blocks, heads, block_size, two_dim = kv_cache.shape
     dim = two_dim // 2
     m, nb = blocks.shape
-    picked = kv_cache.view(num_blocks, heads, 2, block_size * dim)[blocks.flatten()]
-    keys = picked[:, :, 0].view(m, nb, heads, dim, block_size).permute(0, 2, 1, 4, 3)
-    values = picked[:, :, 1].view(m, nb, heads, block_size, dim).permute(0, 2, 1, 3, 4)
+    picked = kv_cache.view(num_blocks, heads, 2, block_size * dim)[blocks.flatten()].float()
+    keys = picked[:, :, 0].view(m, nb, heads, dim, block_size)
+    values = picked[:, :, 1].view(m, nb, heads, block_size, dim)
     degree = log_degree.view(num_blocks, block_size, heads)[blocks].permute(0, 3, 1, 2)
-    shape = (m, heads, nb * block_size)
-    return keys.reshape(*shape, dim), values.reshape(*shape, dim), degree.reshape(shape)
+    return keys, values, degree.reshape(m, heads, nb * block_size)
 
 
 def batched_degree_attention(
     query: Tensor, kv_cache: Tensor, log_degree: Tensor, batch: DecodeBatch, scale: float
 ) -> Tensor:
-    """`degree_attention` for many one-token queries [M, Hq, D] at once, float32 inside."""
+    """`degree_attention` for many one-token queries [M, Hq, D] at once, float32 inside, block by block
+    (the keys are multiplied in their stored [D, bs] layout, nothing is transposed). Positions
+    outside a row's entries get probability 0; their values are finite (vLLM zeroes the cache at
+    allocation and writes only model outputs), so they add nothing."""
     keys, values, degree = gather_blocks(kv_cache, log_degree, batch.blocks)
-    m, heads, length, dim = keys.shape
+    m, nb, heads, dim, block_size = keys.shape
     group = query.shape[1] // heads
-    q = query.float().view(m * heads, group, dim)
-    logits = torch.bmm(q, keys.float().view(m * heads, length, dim).transpose(1, 2)).mul_(scale)
-    logits = logits.view(m, heads, group, length) + degree.float().unsqueeze(2)
-    logits.masked_fill_(~batch.valid.view(m, 1, 1, length), float("-inf"))
-    probs = logits.softmax(dim=-1).view(m * heads, group, length)
-    values = values.float().masked_fill_(~batch.valid.view(m, 1, length, 1), 0.0)  # 0 * stale = 0
-    out = torch.bmm(probs, values.view(m * heads, length, dim))
-    return out.view(m, heads * group, dim).to(query.dtype)
+    q = query.float().view(m, 1, heads, group, dim)  # query head h reads KV head h // group
+    logits = torch.matmul(q, keys).mul_(scale)  # [M, nb, H, group, bs]
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(m, heads, group, nb * block_size)
+    logits += degree.unsqueeze(2)
+    logits.masked_fill_(~batch.valid.view(m, 1, 1, -1), float("-inf"))
+    probs = logits.softmax(dim=-1).view(m, heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, values).sum(dim=1)  # [M, H, group, D]
+    return out.reshape(m, heads * group, dim).to(query.dtype)
