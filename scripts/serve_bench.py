@@ -11,7 +11,9 @@ tokens/s (all output tokens over the wall time from the first step to the last),
 queueing included; mean over requests), TPOT (per request (finish - first token) / (new tokens - 1);
 mean), the KV bytes a running request holds (pool blocks in use / requests running, mean over steps
 with a request running), the share of the wall time spent in steps that held prompt tokens, and
-each ratio to stock vLLM. The plugin also keeps a float32 log-degree per KV head and slot beside the
+each ratio to stock vLLM. A last reference row (not at equal memory; `--no-unlimited` skips it) runs
+stock vLLM with a pool that holds every request at once: the throughput this machine gives at full
+concurrency, i.e. the most that freeing KV memory could buy here. The plugin also keeps a float32 log-degree per KV head and slot beside the
 pool (4 bytes per KV head, layer and slot: 1.6 % of the bf16 KV bytes at head dim 64), not in the pool.
 
     .venv-serve/bin/python scripts/serve_bench.py            # 16 x (2048 + 512) tokens, pool of 4
@@ -53,6 +55,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budgets", default="0.5,0.25,0.125")
     parser.add_argument("--compress-interval", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--no-unlimited",
+        action="store_true",
+        help="skip the reference row: stock vLLM with a pool that holds every request",
+    )
     parser.add_argument("--out", default=str(REPO / "results" / "serve"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -74,11 +81,13 @@ def pool_mib(args: argparse.Namespace) -> float:
     return blocks * BLOCK * bytes_per_token(args.model) / (1 << 20)
 
 
-def run_row(args: argparse.Namespace, budget: float | None) -> dict:
-    """One engine in its own process; its trace (`centroidkv_vllm.workload.Trace`) as a dict."""
+def run_row(args: argparse.Namespace, budget: float | None, fit: int | None = None) -> dict:
+    """One engine in its own process; its trace (`centroidkv_vllm.workload.Trace`) as a dict.
+    `fit`: a pool of that many full-cache requests instead of `args.fit`."""
+    kv_mib = pool_mib(args) if fit is None else pool_mib(argparse.Namespace(**{**vars(args), "fit": fit}))
     command = [sys.executable, "-m", "centroidkv_vllm", "workload", "--model", args.model]
     command += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
-    command += ["--max-tokens", str(args.new_tokens), "--kv-mib", f"{pool_mib(args):.4f}"]
+    command += ["--max-tokens", str(args.new_tokens), "--kv-mib", f"{kv_mib:.4f}"]
     command += ["--max-num-seqs", str(args.max_num_seqs)]
     if budget is None:
         command.append("--stock")
@@ -158,6 +167,13 @@ def main(argv: list[str]) -> None:
         print(f"running {engine} ...", flush=True)
         trace = run_row(args, budget)
         row = {"engine": engine, "budget": budget, "measures": measures(trace, args.new_tokens)}
+        rows.append({**row, "trace": trace})
+        print(json.dumps(row), flush=True)
+    if not args.no_unlimited:
+        engine = f"stock, pool x{args.requests / args.fit:g}"
+        print(f"running {engine} (reference: not equal memory) ...", flush=True)
+        trace = run_row(args, None, fit=args.requests)
+        row = {"engine": engine, "budget": None, "measures": measures(trace, args.new_tokens)}
         rows.append({**row, "trace": trace})
         print(json.dumps(row), flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
