@@ -30,6 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from centroidkv_vllm import SCHEDULER_PATH
 from centroidkv_vllm.config import config_of, refusal
 from centroidkv_vllm.paged import (
     DecodeBatch,
@@ -68,6 +69,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         scale = self.head_dim**-0.5
         self.tracker = Tracker(self.config, self.block_size, scale)
         logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
+        if str(vllm_config.scheduler_config.scheduler_cls) != SCHEDULER_PATH:
+            logger.warning("centroidkv: merged blocks are not freed; pass scheduler_cls=%r", SCHEDULER_PATH)
 
     def _layers(self) -> list[LayerCache] | None:
         """This group's layers, their caches bound by vLLM (looked up again when vLLM rebinds them);
