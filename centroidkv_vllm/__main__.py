@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-recent", type=int, default=64)
     parser.add_argument("--compress-interval", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument(
+        "--own-attention", action="store_true", help="every decoding row through the plugin's attention"
+    )
     parser.add_argument("--enable-prefix-caching", action="store_true", help="(refused by the plugin)")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="prefill chunk (chunked prefill)"
@@ -81,6 +84,7 @@ def llm_args(args: argparse.Namespace) -> dict:
             "n_sink": args.n_sink,
             "n_recent": args.n_recent,
             "compress_interval": args.compress_interval,
+            "own_attention": args.own_attention,
         }
     max_model_len = 4096 if args.command == "generate" else args.prompt_tokens + args.max_tokens
     result = engine_args(args.model, settings, int(args.kv_mib * (1 << 20)), args.max_num_seqs, max_model_len)

@@ -99,7 +99,12 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         seq_lens = cm.seq_lens[:num_reqs].cpu()
         starts = self.tracker.starts(layers, seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
         # CSM only merges, so a request with a kept start > 0 holds centroids in every layer
-        merged = tuple((i, s, int(seq_lens[i])) for i, s in enumerate(starts) if s > 0)
+        own = self.config.own_attention
+        merged = tuple(
+            (i, s, int(seq_lens[i]))
+            for i, s in enumerate(starts)
+            if s > 0 or (own and query_lens[i] == 1 and seq_lens[i] > 0)
+        )
         if merged:
             kernel_lens = cm.seq_lens.clone()
             for i, _, _ in merged:

@@ -11,7 +11,9 @@ tokens/s (all output tokens over the wall time from the first step to the last),
 queueing included; mean over requests), TPOT (per request (finish - first token) / (new tokens - 1);
 mean), the KV bytes a running request holds (pool blocks in use / requests running, mean over steps
 with a request running), the share of the wall time spent in steps that held prompt tokens, and
-each ratio to stock vLLM. A last reference row (not at equal memory; `--no-unlimited` skips it) runs
+each ratio to stock vLLM. The row "plugin R=1 own attn" runs the full cache (nothing merged, equal
+memory) with every decoding row through the plugin's float32 attention instead of vLLM's C++
+kernel: the plugin rows' ratios to it measure the cache, not the kernel. A last reference row (not at equal memory; `--no-unlimited` skips it) runs
 stock vLLM with a pool that holds every request at once: the throughput this machine gives at full
 concurrency, i.e. the most that freeing KV memory could buy here. The plugin also keeps a float32 log-degree per KV head and slot beside the
 pool (4 bytes per KV head, layer and slot: 1.6 % of the bf16 KV bytes at head dim 64), not in the pool.
@@ -60,6 +62,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="skip the reference row: stock vLLM with a pool that holds every request",
     )
+    parser.add_argument(
+        "--no-own",
+        action="store_true",
+        help="skip the row of the full cache (R = 1) through the plugin's own attention",
+    )
     parser.add_argument("--out", default=str(REPO / "results" / "serve"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -81,9 +88,12 @@ def pool_mib(args: argparse.Namespace) -> float:
     return blocks * BLOCK * bytes_per_token(args.model) / (1 << 20)
 
 
-def run_row(args: argparse.Namespace, budget: float | None, fit: int | None = None) -> dict:
+def run_row(
+    args: argparse.Namespace, budget: float | None, fit: int | None = None, own: bool = False
+) -> dict:
     """One engine in its own process; its trace (`centroidkv_vllm.workload.Trace`) as a dict.
-    `fit`: a pool of that many full-cache requests instead of `args.fit`."""
+    `fit`: a pool of that many full-cache requests instead of `args.fit`; `own`: every decoding row
+    through the plugin's attention."""
     kv_mib = pool_mib(args) if fit is None else pool_mib(argparse.Namespace(**{**vars(args), "fit": fit}))
     command = [sys.executable, "-m", "centroidkv_vllm", "workload", "--model", args.model]
     command += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
@@ -93,6 +103,7 @@ def run_row(args: argparse.Namespace, budget: float | None, fit: int | None = No
         command.append("--stock")
     else:
         command += ["--budget", str(budget), "--compress-interval", str(args.compress_interval)]
+        command += ["--own-attention"] if own else []
     proc = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("CENTROIDKV_RESULT "):
@@ -162,10 +173,11 @@ def main(argv: list[str]) -> None:
     budgets = [float(b) for b in args.budgets.split(",") if b]
     started = time.time()
     rows = []
-    for budget in [None, *budgets]:
-        engine = "stock vLLM" if budget is None else f"plugin R={budget:g}"
+    plan = [(None, False), *[(b, False) for b in budgets]] + ([] if args.no_own else [(1.0, True)])
+    for budget, own in plan:
+        engine = "stock vLLM" if budget is None else f"plugin R={budget:g}" + (" own attn" if own else "")
         print(f"running {engine} ...", flush=True)
-        trace = run_row(args, budget)
+        trace = run_row(args, budget, own=own)
         row = {"engine": engine, "budget": budget, "measures": measures(trace, args.new_tokens)}
         rows.append({**row, "trace": trace})
         print(json.dumps(row), flush=True)
