@@ -61,7 +61,7 @@ SERVE_BIN    := $(SERVE_VENV)/bin
 SERVE_STAMP  := $(SERVE_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: serve-venv serve-test clean-serve-venv
+.PHONY: serve-venv serve-test serve-bench clean-serve-venv
 
 serve-venv: $(SERVE_STAMP)
 
@@ -76,6 +76,11 @@ $(SERVE_STAMP): pyproject.toml
 # The plugin's own tests, in the serving venv (tests_serve/, not collected by `make test`).
 serve-test: $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve
+
+# Stock vLLM against the plugin at R = 1/2, 1/4, 1/8 at equal KV memory (scripts/serve_bench.py);
+# ARGS=--quick: 8 requests of 1024 + 256 tokens in a pool of 2 full-cache requests.
+serve-bench: $(SERVE_STAMP)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(SERVE_BIN)/python scripts/serve_bench.py $(ARGS)
 
 clean-serve-venv:
 	rm -rf $(SERVE_VENV)

@@ -15,6 +15,8 @@ stock backend unless the engine is configured with `additional_config={"centroid
 from __future__ import annotations
 
 BACKEND_PATH = "centroidkv_vllm.backend.CentroidBackend"
+# vLLM's `scheduler_cls` for the plugin: frees the blocks a request has merged (centroidkv_vllm.scheduler)
+SCHEDULER_PATH = "centroidkv_vllm.scheduler.CentroidScheduler"
 
 
 def register() -> None:

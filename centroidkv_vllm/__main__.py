@@ -1,8 +1,14 @@
-"""`python -m centroidkv_vllm generate ...`: greedy generation through vLLM's own `LLM`, with or
-without the plugin, printed as JSON (token ids per prompt and the wall time).
+"""`python -m centroidkv_vllm generate|workload ...`: greedy generation through vLLM's own engine,
+with or without the plugin, printed as JSON.
+
+- `generate`: the built-in prompts through `LLM.generate` (token ids per prompt and the wall time).
+- `workload`: `--requests` different document prompts of `--prompt-tokens` tokens, stepped through
+  the engine in this process (`centroidkv_vllm.workload`): tokens, and the scheduler's running count
+  and free blocks after every step, TTFT and finish time per request.
 
 Stock vLLM: `--stock` (the engine is started with VLLM_PLUGINS naming no plugin, so CPU_ATTN is
-vLLM's own); otherwise the plugin with `--budget R` and the other `CentroidConfig` settings.
+vLLM's own); otherwise the plugin with `--budget R` and the other `CentroidConfig` settings, and its
+scheduler (`scheduler_cls`, which frees merged blocks) unless `--keep-blocks`.
 """
 
 from __future__ import annotations
@@ -32,24 +38,63 @@ def long_prompt(chars: int) -> str:
     return text + "\n\nQuestion: what are the four parts of the harness? Answer:"
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--stock", action="store_true", help="vLLM without the plugin")
+    parser.add_argument("--keep-blocks", action="store_true", help="the plugin without its scheduler")
+    parser.add_argument("--budget", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--n-sink", type=int, default=16)
+    parser.add_argument("--n-recent", type=int, default=64)
+    parser.add_argument("--compress-interval", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument(
+        "--own-attention", action="store_true", help="every decoding row through the plugin's attention"
+    )
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="(refused by the plugin)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="prefill chunk (chunked prefill)"
+    )
+    parser.add_argument("--kv-mib", type=float, default=256, help="vLLM's KV pool, MiB")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's and the cache's dtype")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m centroidkv_vllm")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="greedy tokens of the built-in prompts, as JSON")
-    gen.add_argument("--model", default=str(DEFAULT_MODEL))
-    gen.add_argument("--stock", action="store_true", help="vLLM without the plugin")
-    gen.add_argument("--budget", type=float, default=1.0)
-    gen.add_argument("--max-tokens", type=int, default=32)
+    add_engine_args(gen)
     gen.add_argument("--long-chars", type=int, default=0, help="add a long prompt of this many characters")
-    gen.add_argument("--n-sink", type=int, default=16)
-    gen.add_argument("--n-recent", type=int, default=64)
-    gen.add_argument("--compress-interval", type=int, default=64)
-    gen.add_argument("--enable-prefix-caching", action="store_true", help="(refused by the plugin)")
-    gen.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="prefill chunk (chunked prefill)"
-    )
-    gen.add_argument("--kv-mib", type=int, default=256, help="vLLM's KV pool")
+    work = sub.add_parser("workload", help="document prompts stepped through the engine, as JSON")
+    add_engine_args(work)
+    work.add_argument("--requests", type=int, default=8)
+    work.add_argument("--prompt-tokens", type=int, default=1024)
     return parser.parse_args(argv)
+
+
+def llm_args(args: argparse.Namespace) -> dict:
+    """`LLM(...)` arguments (`centroidkv_vllm.workload.engine_args`) from the command line."""
+    from centroidkv_vllm.workload import engine_args
+
+    settings = None
+    if not args.stock:
+        settings = {
+            "budget": args.budget,
+            "max_new_tokens": args.max_tokens,
+            "n_sink": args.n_sink,
+            "n_recent": args.n_recent,
+            "compress_interval": args.compress_interval,
+            "own_attention": args.own_attention,
+        }
+    max_model_len = 4096 if args.command == "generate" else args.prompt_tokens + args.max_tokens
+    result = engine_args(args.model, settings, int(args.kv_mib * (1 << 20)), args.max_num_seqs, max_model_len)
+    result["enable_prefix_caching"] = args.enable_prefix_caching
+    result["dtype"] = args.dtype
+    if args.keep_blocks:
+        result.pop("scheduler_cls", None)
+    if args.max_num_batched_tokens:
+        result["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return result
 
 
 def make_llm(args: argparse.Namespace):
@@ -58,33 +103,10 @@ def make_llm(args: argparse.Namespace):
         os.environ["VLLM_PLUGINS"] = ""  # load no general plugin: vLLM's own CPU_ATTN
     from vllm import LLM
 
-    extra = {}
-    if not args.stock:
-        extra = {
-            "centroidkv": {
-                "budget": args.budget,
-                "max_new_tokens": args.max_tokens,
-                "n_sink": args.n_sink,
-                "n_recent": args.n_recent,
-                "compress_interval": args.compress_interval,
-            }
-        }
-    return LLM(
-        model=args.model,
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory_bytes=args.kv_mib << 20,
-        max_model_len=4096,
-        max_num_seqs=8,
-        seed=0,
-        additional_config=extra,
-        **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
-    )
+    return LLM(**llm_args(args))
 
 
-def generate(argv: list[str]) -> dict:
-    args = parse_args(argv)
+def generate(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
     llm = make_llm(args)
@@ -102,6 +124,20 @@ def generate(argv: list[str]) -> dict:
     }
 
 
+def workload(args: argparse.Namespace) -> dict:
+    from centroidkv_vllm import workload as wl
+
+    llm = wl.make_llm(llm_args(args), args.stock)
+    prompts = wl.document_prompts(llm.get_tokenizer(), args.requests, args.prompt_tokens)
+    trace = wl.run(llm, wl.Workload(prompts, args.max_tokens))
+    return {"stock": args.stock, "budget": None if args.stock else args.budget, **vars(trace)}
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_args(argv)
+    return generate(args) if args.command == "generate" else workload(args)
+
+
 if __name__ == "__main__":
-    result = generate(sys.argv[1:])
+    result = main(sys.argv[1:])
     print("CENTROIDKV_RESULT " + json.dumps(result))

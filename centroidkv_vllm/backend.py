@@ -3,13 +3,15 @@
 `CentroidBackend` replaces CPU_ATTN (registered by `centroidkv_vllm.register`). Without
 `additional_config["centroidkv"]` it is the stock backend. With it:
 
-- the metadata builder (once per step) compresses the requests that are due (`Tracker`), then hands
-  vLLM's kernel physical lengths: each compressed request's `seq_lens` and the step's `slot_mapping`
-  (the same tensor vLLM writes the new keys and values with) are shifted by the entries it has merged
-  away, while positions stay logical, so RoPE is unchanged;
+- the metadata builder (once per step) compresses the requests that are due (`Tracker`); a compressed
+  request holds its logical positions [start, length) (`centroidkv_vllm.plan`), new tokens keep their
+  logical slots, so vLLM's `slot_mapping` and positions are used as they are;
 - the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
-  hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3):
-  the kernel has no per-key additive term. Requests without centroids keep the kernel's output.
+  hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3)
+  over their entries [start, length): the kernel has no per-key additive term and reads a request
+  from position 0. Those rows are handed to the kernel with a length of their query only (its output
+  for them is discarded), so it never reads the blocks the scheduler has freed at length cost.
+  Requests without centroids keep the kernel's output.
 """
 
 from __future__ import annotations
@@ -28,8 +30,15 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from centroidkv_vllm import SCHEDULER_PATH
 from centroidkv_vllm.config import config_of, refusal
-from centroidkv_vllm.paged import degree_attention, read_entries, request_slots
+from centroidkv_vllm.paged import (
+    DecodeBatch,
+    batched_degree_attention,
+    degree_attention,
+    read_entries,
+    request_slots,
+)
 from centroidkv_vllm.tracker import LayerCache, Tracker
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -40,9 +49,11 @@ LAYERS: dict[str, LayerCache] = {}
 
 @dataclass
 class CentroidMetadata(CPUAttentionMetadata):
-    """The stock metadata plus the requests whose entries include centroids: (index, physical length)."""
+    """The stock metadata plus the requests whose entries include centroids: those decoding one token,
+    gathered by blocks for one batched attention per layer, and the others as (index, start, length)."""
 
-    merged: tuple[tuple[int, int], ...] = ()
+    merged: tuple[tuple[int, int, int], ...] = ()
+    decoding: DecodeBatch | None = None
 
 
 class CentroidBuilder(CPUAttentionMetadataBuilder):
@@ -58,6 +69,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         scale = self.head_dim**-0.5
         self.tracker = Tracker(self.config, self.block_size, scale)
         logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
+        if str(vllm_config.scheduler_config.scheduler_cls) != SCHEDULER_PATH:
+            logger.warning("centroidkv: merged blocks are not freed; pass scheduler_cls=%r", SCHEDULER_PATH)
 
     def _layers(self) -> list[LayerCache] | None:
         """This group's layers, their caches bound by vLLM (looked up again when vLLM rebinds them);
@@ -82,34 +95,26 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
         start = cm.query_start_loc_cpu[: num_reqs + 1]
+        query_lens = start[1:] - start[:-1]
         seq_lens = cm.seq_lens[:num_reqs].cpu()
-        offsets = self.tracker.offsets(
-            layers, seq_lens, start[1:] - start[:-1], cm.is_prefilling, cm.block_table_tensor
+        starts = self.tracker.starts(layers, seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
+        # CSM only merges, so a request with a kept start > 0 holds centroids in every layer
+        own = self.config.own_attention
+        merged = tuple(
+            (i, s, int(seq_lens[i]))
+            for i, s in enumerate(starts)
+            if s > 0 or (own and query_lens[i] == 1 and seq_lens[i] > 0)
         )
-        if any(offsets):
-            cm = self._remap(cm, offsets)
+        if merged:
+            kernel_lens = cm.seq_lens.clone()
+            for i, _, _ in merged:
+                kernel_lens[i] = query_lens[i]
+            cm = replace(cm, seq_lens=kernel_lens, max_seq_len=int(kernel_lens[:num_reqs].max()))
         metadata = super().build(common_prefix_len, cm, fast_build)
-        # CSM only merges, so a request with entries removed holds centroids in every layer
-        merged = tuple((i, int(cm.seq_lens[i])) for i in range(num_reqs) if offsets[i])
-        return CentroidMetadata(**vars(metadata), merged=merged)
-
-    def _remap(self, cm: CommonAttentionMetadata, offsets: list[int]) -> CommonAttentionMetadata:
-        """Physical lengths and slots for requests with merged entries; positions stay logical.
-        `slot_mapping` is rewritten in place: vLLM writes this step's keys and values with it."""
-        shift = torch.zeros(cm.seq_lens.shape[0], dtype=cm.seq_lens.dtype)
-        shift[: len(offsets)] = torch.tensor(offsets, dtype=cm.seq_lens.dtype)
-        seq_lens = cm.seq_lens - shift
-        start = cm.query_start_loc_cpu
-        for i, offset in enumerate(offsets):
-            if not offset:
-                continue
-            tokens = slice(int(start[i]), int(start[i + 1]))
-            physical = cm.positions[tokens].long() - offset
-            row = cm.block_table_tensor[i].long()
-            cm.slot_mapping[tokens] = (
-                row[physical // self.block_size] * self.block_size + physical % self.block_size
-            )
-        return replace(cm, seq_lens=seq_lens, max_seq_len=int(seq_lens[: cm.num_reqs].max()))
+        single = [(i, int(start[i]), s, n) for i, s, n in merged if query_lens[i] == 1]
+        decoding = DecodeBatch.of(cm.block_table_tensor, single, self.block_size) if single else None
+        others = tuple(row for row in merged if query_lens[row[0]] != 1)
+        return CentroidMetadata(**vars(metadata), merged=others, decoding=decoding)
 
 
 class CentroidImpl(CPUAttentionBackendImpl):
@@ -139,15 +144,21 @@ class CentroidImpl(CPUAttentionBackendImpl):
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
         merged = getattr(attn_metadata, "merged", ())
-        if not merged:
+        decoding = getattr(attn_metadata, "decoding", None)
+        if not merged and decoding is None:
             return output
         table = LAYERS[layer.layer_name]
+        if decoding is not None:
+            rows = decoding.rows
+            output[rows] = batched_degree_attention(
+                query[rows], kv_cache, table.log_degree, decoding, self.scale
+            )
         block_size = kv_cache.shape[2]
-        for index, length in merged:
+        for index, first, length in merged:
             tokens = slice(
                 int(attn_metadata.query_start_loc[index]), int(attn_metadata.query_start_loc[index + 1])
             )
-            slots = request_slots(attn_metadata.block_table[index], length, block_size)
+            slots = request_slots(attn_metadata.block_table[index], first, length, block_size)
             keys, values = read_entries(kv_cache, slots)
             output[tokens] = degree_attention(
                 query[tokens], keys, values, table.log_degree[slots].t(), self.scale

@@ -30,6 +30,9 @@ class CentroidConfig:
     chunk_size: int = 256
     schedule: str = "adaptive"
     r_min: float = 0.1
+    # every decoding row through the plugin's float32 attention, not only those holding centroids:
+    # a reference for benchmarks (at R = 1, the full cache through the plugin's own attention)
+    own_attention: bool = False
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> CentroidConfig:

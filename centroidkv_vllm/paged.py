@@ -11,14 +11,16 @@ The log-degree of an entry (0 for an original token, log n for a centroid of n t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
 
 
-def request_slots(block_row: Tensor, length: int, block_size: int) -> Tensor:
-    """Slots of a request's physical positions 0..length-1, from its block-table row."""
-    positions = torch.arange(length, dtype=torch.long)
+def request_slots(block_row: Tensor, start: int, end: int, block_size: int) -> Tensor:
+    """Slots of a request's logical positions start..end-1, from its block-table row."""
+    positions = torch.arange(start, end, dtype=torch.long)
     return block_row[positions // block_size].long() * block_size + positions % block_size
 
 
@@ -69,3 +71,64 @@ def degree_attention(query: Tensor, keys: Tensor, values: Tensor, log_degree: Te
     logits.view(heads, group, t, length).masked_fill_(~visible, float("-inf"))
     out = torch.bmm(logits.softmax(dim=-1), values.float())  # [H, group * t, D]
     return out.view(q_heads, t, dim).transpose(0, 1).to(query.dtype)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decoding rows (one query token) of requests that hold centroids, gathered by whole blocks.
+
+    blocks [M, nb]: each row's blocks from the one holding its kept start (padded with the null
+    block); valid [M, nb * block_size]: the positions [start % block_size, ... + held) of each row.
+    """
+
+    rows: Tensor  # [M] query token index of each row
+    blocks: Tensor  # [M, nb] block ids
+    valid: Tensor  # [M, nb * block_size] bool
+
+    @classmethod
+    def of(cls, block_table: Tensor, rows: list[tuple[int, int, int, int]], block_size: int) -> DecodeBatch:
+        """rows: (batch index, query token index, kept start, length) of each decoding row."""
+        first = [start // block_size for _, _, start, _ in rows]
+        count = [-(-length // block_size) - f for (_, _, _, length), f in zip(rows, first)]
+        width = max(count)
+        blocks = torch.zeros(len(rows), width, dtype=torch.long)
+        valid = torch.zeros(len(rows), width * block_size, dtype=torch.bool)
+        for m, ((index, _, start, length), f, n) in enumerate(zip(rows, first, count)):
+            blocks[m, :n] = block_table[index, f : f + n].long()
+            offset = start - f * block_size
+            valid[m, offset : offset + length - start] = True
+        tokens = torch.tensor([token for _, token, _, _ in rows], dtype=torch.long)
+        return cls(tokens, blocks, valid)
+
+
+def gather_blocks(kv_cache: Tensor, log_degree: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Whole blocks [M, nb] in float32, in their stored layout: keys [M, nb, H, D, bs], values
+    [M, nb, H, bs, D], and log-degrees [M, H, nb * bs]."""
+    num_blocks, heads, block_size, two_dim = kv_cache.shape
+    dim = two_dim // 2
+    m, nb = blocks.shape
+    picked = kv_cache.view(num_blocks, heads, 2, block_size * dim)[blocks.flatten()].float()
+    keys = picked[:, :, 0].view(m, nb, heads, dim, block_size)
+    values = picked[:, :, 1].view(m, nb, heads, block_size, dim)
+    degree = log_degree.view(num_blocks, block_size, heads)[blocks].permute(0, 3, 1, 2)
+    return keys, values, degree.reshape(m, heads, nb * block_size)
+
+
+def batched_degree_attention(
+    query: Tensor, kv_cache: Tensor, log_degree: Tensor, batch: DecodeBatch, scale: float
+) -> Tensor:
+    """`degree_attention` for many one-token queries [M, Hq, D] at once, float32 inside, block by block
+    (the keys are multiplied in their stored [D, bs] layout, nothing is transposed). Positions
+    outside a row's entries get probability 0; their values are finite (vLLM zeroes the cache at
+    allocation and writes only model outputs), so they add nothing."""
+    keys, values, degree = gather_blocks(kv_cache, log_degree, batch.blocks)
+    m, nb, heads, dim, block_size = keys.shape
+    group = query.shape[1] // heads
+    q = query.float().view(m, 1, heads, group, dim)  # query head h reads KV head h // group
+    logits = torch.matmul(q, keys).mul_(scale)  # [M, nb, H, group, bs]
+    logits = logits.permute(0, 2, 3, 1, 4).reshape(m, heads, group, nb * block_size)
+    logits += degree.unsqueeze(2)
+    logits.masked_fill_(~batch.valid.view(m, 1, 1, -1), float("-inf"))
+    probs = logits.softmax(dim=-1).view(m, heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs, values).sum(dim=1)  # [M, H, group, D]
+    return out.reshape(m, heads * group, dim).to(query.dtype)

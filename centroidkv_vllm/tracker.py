@@ -1,11 +1,16 @@
 """Per-request compression state inside one engine process, and the compression itself.
 
-A running request is known by the first block of its block table (vLLM gives a running request's
-blocks to no one else; prefix caching, which would share them, is refused in `centroidkv_vllm.config`).
-Its state is reset by its first prefill chunk. Entries stay at the front of the request's blocks:
-after m entries have been merged away, the token at logical position p is stored at physical position
-p - m, while vLLM keeps p for RoPE. vLLM still counts the request by its logical length, so no block
-returns to the pool yet (docs/vllm.md).
+Layout (`centroidkv_vllm.plan`): a compression at computed length L writes the request's B kept
+entries into the slots of its logical positions [L - B, L); new tokens keep their own logical slots,
+so vLLM's `slot_mapping` is used as it is. A request holds the logical positions [start, length), and
+the scheduler (`centroidkv_vllm.scheduler`) frees the blocks wholly before `start`: the worker's block
+table keeps their stale ids, which are never read again.
+
+A running request is known by the block that holds its last entry (after a step: the block of
+position length - 1), looked up at its next step and re-keyed: a running request's blocks from its
+start on are its own (prefix caching, which would share them, is refused in `centroidkv_vllm.config`),
+while its first block may have been freed and given to another request. Its state is reset by its
+first prefill chunk (computed length 0).
 
 The merging is the harness's: `CentroidKV.compress` (Chunked Soft Matching and degree-weighted
 centroids, `centroidkv.csm`) on the unprotected middle, with the sinks and the recent window spliced
@@ -20,11 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from centroidkv.budget import budget_entries, fit_protected
+from centroidkv.budget import fit_protected
 from centroidkv.centroidkv import CentroidKV
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv_vllm.config import CentroidConfig
 from centroidkv_vllm.paged import read_entries, request_slots, write_entries
+from centroidkv_vllm.plan import Plan
 
 logger = logging.getLogger("vllm.centroidkv")
 
@@ -33,9 +39,7 @@ NULL_BLOCK = 0  # vLLM's padding block: rows of a dummy run
 
 @dataclass
 class RequestState:
-    removed: int = 0  # entries merged away so far: logical length - physical length
-    prompt_len: int | None = None  # known at the first decode step
-    budget: int | None = None  # B = R * (n + Gamma)
+    plan: Plan | None = None  # set at the request's first step out of prefill
     compressions: int = 0
 
 
@@ -67,8 +71,8 @@ def make_method(config: CentroidConfig) -> CentroidKV:
 def compress_layer(
     layer: LayerCache, slots: Tensor, budget: int, method: CentroidKV, stats: LayerStats
 ) -> None:
-    """Merge the entries at `slots` (a request's physical positions, in order) down to `budget`
-    entries, written back to the first `budget` slots with their log-degrees."""
+    """Merge the entries at `slots` (a request's kept positions, in order) down to `budget` entries,
+    written with their log-degrees to the last `budget` of those slots (the recent window stays put)."""
     length = slots.numel()
     keys, values = read_entries(layer.kv_cache, slots)
     log_degree = layer.log_degree[slots].t()  # [H, L]
@@ -80,23 +84,23 @@ def compress_layer(
     def splice(full: Tensor, new_middle: Tensor) -> Tensor:
         return torch.cat([full[:, :n_sink], new_middle.to(full.dtype), full[:, length - n_recent :]], dim=1)
 
-    out = slots[:budget]
+    out = slots[length - budget :]
     write_entries(layer.kv_cache, out, splice(keys, kept.keys[0]), splice(values, kept.values[0]), layer.isa)
     layer.log_degree[out] = splice(log_degree, kept.log_degree[0]).t()
 
 
 class Tracker:
     """Decides, before each step's attention, which requests to compress, compresses them in every
-    layer, and gives each request's offset (entries removed) for the step's metadata."""
+    layer, and gives each request's kept start (first logical position it holds) for the metadata."""
 
     def __init__(self, config: CentroidConfig, block_size: int, scale: float):
         self.config = config
         self.block_size = block_size
         self.scale = scale
         self.method = make_method(config)
-        self.states: dict[int, RequestState] = {}
+        self.states: dict[int, RequestState] = {}  # block holding the request's last entry -> state
 
-    def offsets(
+    def starts(
         self,
         layers: list[LayerCache],
         seq_lens: Tensor,
@@ -104,46 +108,53 @@ class Tracker:
         is_prefilling: Tensor | None,
         block_table: Tensor,
     ) -> list[int]:
-        """Entries removed per request of this step (after compressing those that are due)."""
+        """Each request's kept start in this step (after compressing those that are due)."""
         result = []
         for i, (seq_len, query_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
-            first_block = int(block_table[i, 0])
-            if first_block == NULL_BLOCK or query_len == 0:
-                result.append(0)
+            row = block_table[i]
+            last_block = int(row[(seq_len - 1) // self.block_size]) if seq_len > 0 else NULL_BLOCK
+            if last_block == NULL_BLOCK or query_len == 0:
+                result.append(0)  # a dummy row (padding, profiling run) or a request without tokens
                 continue
             computed = seq_len - query_len  # logical entries already in the cache
-            if computed == 0:
-                self.states[first_block] = RequestState()
-            state = self.states.setdefault(first_block, RequestState())
             prefilling = bool(is_prefilling[i]) if is_prefilling is not None else query_len > 1
-            if not prefilling:
-                self._maybe_compress(layers, state, computed, block_table[i])
-            result.append(state.removed)
+            state = self._state(row, computed)
+            if state.plan is None and not prefilling:
+                config = self.config
+                state.plan = Plan.at(computed, config.budget, config.max_new_tokens, config.compress_interval)
+            start = 0
+            if state.plan is not None:
+                start = state.plan.start(computed)
+                if state.plan.due(computed):
+                    self._compress(layers, state, row, state.plan.start(computed - 1), computed)
+            self.states[last_block] = state
+            result.append(start)
         return result
 
-    def _maybe_compress(
-        self, layers: list[LayerCache], state: RequestState, computed: int, block_row: Tensor
+    def _state(self, row: Tensor, computed: int) -> RequestState:
+        """A new state for a request's first chunk, else the one keyed by the block of its last entry."""
+        if computed == 0:
+            return RequestState()
+        state = self.states.pop(int(row[(computed - 1) // self.block_size]), None)
+        if state is None:
+            logger.warning("centroidkv: no state for a request at length %d; started afresh", computed)
+            return RequestState()
+        return state
+
+    def _compress(
+        self, layers: list[LayerCache], state: RequestState, row: Tensor, start: int, end: int
     ) -> None:
-        """Compress after the prompt (n > B) and whenever the request has grown to B + g."""
-        if state.budget is None:
-            state.prompt_len = computed
-            state.budget = budget_entries(self.config.budget, computed, self.config.max_new_tokens)
-        physical = computed - state.removed
-        limit = (
-            state.budget if computed == state.prompt_len else state.budget + self.config.compress_interval - 1
-        )
-        if physical <= limit or state.budget < 1:
-            return
-        slots = request_slots(block_row, physical, self.block_size)
+        """Merge the request's entries at logical positions [start, end) to B in every layer."""
+        budget = state.plan.budget
+        slots = request_slots(row, start, end, self.block_size)
         for index, layer in enumerate(layers):
             stats = LayerStats(layer_idx=index, n_layers=len(layers), scaling=self.scale)
-            compress_layer(layer, slots, state.budget, self.method, stats)
-        state.removed += physical - state.budget
+            compress_layer(layer, slots, budget, self.method, stats)
         state.compressions += 1
         logger.info(
             "centroidkv: request at logical length %d compressed from %d to %d entries in %d layers",
-            computed,
-            physical,
-            state.budget,
+            end,
+            end - start,
+            budget,
             len(layers),
         )

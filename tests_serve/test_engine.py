@@ -20,10 +20,10 @@ needs_model = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_generate(*args: str) -> tuple[dict | None, str]:
-    """`python -m centroidkv_vllm generate ARGS` in its own process: (result, log)."""
+def run_generate(*args: str, command: str = "generate") -> tuple[dict | None, str]:
+    """`python -m centroidkv_vllm COMMAND ARGS` in its own process: (result, log)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "centroidkv_vllm", "generate", *args],
+        [sys.executable, "-m", "centroidkv_vllm", command, *args],
         capture_output=True,
         text=True,
         env=ENV,
@@ -110,3 +110,16 @@ def test_chunked_prefill_compresses_once_the_prompt_is_in_then_every_g():
     assert f"logical length {n} compressed from {n} to {budget} entries" in log
     assert log.count(f"compressed from {budget + 32} to {budget} entries") == 2
     assert not any(f"logical length {m} compressed" in log for m in range(budget, n))  # none mid-prefill
+
+
+@needs_model
+def test_own_attention_gives_the_kernel_tokens_in_float32():
+    """Every decoding row through the plugin's batched attention (R = 1, log-degrees 0) gives vLLM's
+    kernel's greedy tokens in float32 (in bf16 the two round differently and near-ties flip)."""
+    own, log = run_generate(
+        "--budget", "1.0", "--own-attention", "--dtype", "float32", "--long-chars", "3000"
+    )
+    assert own is not None, log[-3000:]
+    kernel, log = run_generate("--budget", "1.0", "--dtype", "float32", "--long-chars", "3000")
+    assert kernel is not None, log[-3000:]
+    assert own["tokens"] == kernel["tokens"]

@@ -22,7 +22,7 @@ def paged_request(length: int, isa: str = "vec", seed: int = 0):
     row = torch.randperm(n_blocks + 2, generator=gen)[:n_blocks].int() + 1  # block 0 is vLLM's null block
     keys = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
     values = torch.randn(length, HEADS, DIM, generator=gen).bfloat16()
-    slots = request_slots(row, length, BLOCK)
+    slots = request_slots(row, 0, length, BLOCK)
     ops.cpu_attn_reshape_and_cache(keys, values, *split_cache(kv_cache), slots, isa)
     return kv_cache, row, slots, keys, values
 
@@ -119,3 +119,24 @@ def test_degrees_one_equal_vllm_kernel(t):
     ours = degree_attention(query, read_k, read_v, torch.zeros(HEADS, length), SCALE)
     error = (ours.float() - stock.float()).abs().max().item()
     assert error < 1e-2, error
+
+
+def test_batched_decode_attention_equals_one_request_at_a_time():
+    """Rows that hold centroids and decode one token are attended together, by whole blocks from the
+    one holding each kept start; each must equal `degree_attention` over its own entries."""
+    from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention
+
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = 40
+    kv_cache = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16()
+    log_degree = torch.rand(num_blocks * BLOCK, HEADS, generator=gen)
+    table = torch.randperm(num_blocks - 1, generator=gen)[:24].view(3, 8).int() + 1
+    rows = [(0, 0, 0, 300), (1, 1, 200, 517), (2, 2, 700, 1001)]  # (row, token, kept start, length)
+    query = torch.randn(3, Q_HEADS, DIM, generator=gen).bfloat16()
+    batch = DecodeBatch.of(table, rows, BLOCK)
+    out = batched_degree_attention(query, kv_cache, log_degree, batch, SCALE)
+    for index, token, start, length in rows:
+        slots = request_slots(table[index], start, length, BLOCK)
+        keys, values = read_entries(kv_cache, slots)
+        one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), SCALE)
+        assert (out[token].float() - one[0].float()).abs().max().item() < 1e-2

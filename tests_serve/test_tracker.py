@@ -24,8 +24,9 @@ def compressed(length: int, budget: int, config: CentroidConfig, rounds: int = 1
     method = make_method(config)
     for _ in range(rounds):
         compress_layer(layer, slots, budget, method, STATS)
-    out_k, out_v = read_entries(kv_cache, slots[:budget])
-    return keys.transpose(0, 1), values.transpose(0, 1), out_k, out_v, layer.log_degree[slots[:budget]].t()
+    kept = slots[length - budget :]  # the merged entries go to the last `budget` slots
+    out_k, out_v = read_entries(kv_cache, kept)
+    return keys.transpose(0, 1), values.transpose(0, 1), out_k, out_v, layer.log_degree[kept].t()
 
 
 def test_sinks_and_recent_window_are_kept_and_every_token_is_counted_once():
@@ -57,6 +58,6 @@ def test_a_second_compression_keeps_the_earlier_degrees():
     layer = LayerCache(kv_cache, "vec")
     method = make_method(CentroidConfig())
     compress_layer(layer, slots, 400, method, STATS)
-    compress_layer(layer, slots[:400], 250, method, STATS)
-    degree = layer.log_degree[slots[:250]].exp()
+    compress_layer(layer, slots[-400:], 250, method, STATS)
+    degree = layer.log_degree[slots[-250:]].exp()
     assert torch.allclose(degree.sum(dim=0), torch.full((HEADS,), 700.0), atol=1e-3)

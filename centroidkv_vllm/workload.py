@@ -1,0 +1,151 @@
+"""Run a batch of requests through vLLM's engine step by step and record what the scheduler does.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that after every step the
+scheduler's running count and the block pool's free blocks can be read; the requests are all added
+at time 0, so a request's time to first token includes its wait in the queue. Used by
+`scripts/serve_bench.py` and by the plugin's tests (tests_serve/test_blocks.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from centroidkv_vllm import SCHEDULER_PATH
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # token ids
+    max_tokens: int
+
+
+@dataclass
+class Trace:
+    """What one run did: tokens per request, and the scheduler's state after every step."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)  # requests running after each step
+    free_blocks: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    step_prefill: list[bool] = field(default_factory=list)  # the step held prompt tokens
+    ttft: list[float] = field(default_factory=list)  # seconds from the start, per request
+    finish: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    num_blocks: int = 0  # blocks in vLLM's KV pool (the null block included)
+    block_bytes: int = 0  # bytes of one block over all layers
+    freed_early: int = 0  # blocks the plugin's scheduler returned before their request finished
+    preemptions: int = 0
+
+
+def engine_args(
+    model: str, settings: dict[str, Any] | None, kv_bytes: int, max_num_seqs: int, max_model_len: int
+) -> dict[str, Any]:
+    """`LLM(...)` arguments: bf16, eager, no prefix caching; the plugin and its scheduler unless
+    `settings` is None (then the caller must also have set VLLM_PLUGINS="" for stock vLLM)."""
+    args: dict[str, Any] = {
+        "model": model,
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": kv_bytes,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "seed": 0,
+    }
+    if settings is not None:
+        args["additional_config"] = {"centroidkv": settings}
+        args["scheduler_cls"] = SCHEDULER_PATH
+    return args
+
+
+def make_llm(args: dict[str, Any], stock: bool) -> Any:
+    """vLLM's `LLM` with its engine core in this process (set before vLLM reads its environment)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if stock:
+        os.environ["VLLM_PLUGINS"] = ""  # load no general plugin: vLLM's own CPU_ATTN
+    from vllm import LLM
+
+    return LLM(**args)
+
+
+def scheduler_of(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def run(llm: Any, workload: Workload) -> Trace:
+    """Add every request, step the engine until all are done, and record each step."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = scheduler_of(llm)
+    pool = scheduler.kv_cache_manager.block_pool
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    count = len(workload.prompts)
+    trace = Trace(tokens=[[] for _ in range(count)], ttft=[0.0] * count, finish=[0.0] * count)
+    for index, prompt in enumerate(workload.prompts):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+    start = time.perf_counter()
+    last = 0.0
+    preempted: set[str] = set()
+    while engine.has_unfinished_requests():
+        in_prefill = {
+            r.request_id: r.num_computed_tokens
+            for r in [*scheduler.running, *scheduler.waiting]
+            if r.num_computed_tokens < r.num_prompt_tokens
+        }
+        outputs = engine.step()
+        prefill = any(
+            in_prefill.get(r.request_id, 1 << 62) < r.num_computed_tokens for r in scheduler.running
+        )
+        now = time.perf_counter() - start
+        trace.step_seconds.append(now - last)
+        last = now
+        trace.step_prefill.append(prefill)
+        trace.running.append(len(scheduler.running))
+        trace.free_blocks.append(pool.get_num_free_blocks())
+        waiting = {r.request_id for r in scheduler.waiting if r.num_output_tokens > 0}
+        trace.preemptions += len(waiting - preempted)  # back in the queue with tokens: preempted
+        preempted = waiting
+        for output in outputs:
+            index = int(output.request_id)
+            tokens = list(output.outputs[0].token_ids)
+            if tokens and not trace.tokens[index]:
+                trace.ttft[index] = now
+            trace.tokens[index] = tokens
+            if output.finished:
+                trace.finish[index] = now
+    trace.seconds = time.perf_counter() - start
+    trace.num_blocks = pool.num_gpu_blocks
+    trace.block_bytes = block_bytes(scheduler)
+    managers = getattr(scheduler, "centroid_managers", lambda: [])()
+    trace.freed_early = sum(m.freed_total for m in managers)
+    return trace
+
+
+def block_bytes(scheduler: Any) -> int:
+    """Bytes of one block over all layers of the (single) KV cache group."""
+    config = scheduler.kv_cache_config
+    group = config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+def document_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
+    """`count` different prompts of `length` tokens each: windows of this repository's documents
+    (real text, no shared prefix), each ending with the same question."""
+    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    text += "\n\n" + (REPO / "README.md").read_text()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    question = tokenizer.encode(
+        "\n\nQuestion: what does this text describe? Answer:", add_special_tokens=False
+    )
+    body = length - len(question)
+    stride = max(1, (len(ids) - body) // max(1, count))
+    if len(ids) < body:
+        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than a prompt of {length}")
+    return [ids[i * stride : i * stride + body] + question for i in range(count)]
