@@ -155,6 +155,11 @@ def read_head_file(path: str | Path) -> dict:
             f"heads_file {path}: wrong type of {', '.join(wrong)} (n_layers and "
             "n_kv_heads are positive integers, budget and fraction numbers, model a name, outliers a list)"
         )
+    if not 0 < data["budget"] <= 1 or not 0 <= data["fraction"] <= 1:
+        raise ValueError(
+            f"heads_file {path}: budget {data['budget']!r} (the R its errors were measured at) must be in "
+            f"(0, 1] and fraction {data['fraction']!r} in [0, 1]"
+        )
     errors = data["errors"]
     if (
         not isinstance(errors, list)
@@ -252,7 +257,8 @@ def warn_if_settings_differ(path: Path, data: dict, settings: dict | None) -> No
     if (str(path), text) not in _warned:
         _warned.add((str(path), text))
         print(
-            f"centroidkv: warning: the heads of {path.name} were calibrated with other settings: {text}",
+            f"centroidkv: warning: the heads of {path.name} were calibrated with other settings "
+            f"(at R = {data['budget']:g}): {text}",
             file=sys.stderr,
         )
 

@@ -20,7 +20,7 @@ from test_harness import config_error_line, run_cfg
 
 import centroidkv.models
 from centroidkv import schema
-from centroidkv.calibrate import read_head_file
+from centroidkv.calibrate import read_head_file, warn_if_settings_differ
 from centroidkv.files import is_file, replaced_atomically, write_atomic
 from eval import calibrate as eval_calibrate
 from eval import runner, sweep
@@ -363,6 +363,24 @@ def test_a_head_file_whose_outliers_were_edited_by_hand_says_so(tmp_path, capsys
     read_head_file(edited)
     line = one_error_line(capsys)
     assert line.startswith(f"centroidkv: warning: heads_file {edited}: outliers [[0, 0]] are not the worst")
+
+
+def test_a_head_files_budget_is_read(tmp_path, capsys):
+    """Before: `budget` (the R the errors were measured at) was written and never read: any number
+    passed. It is checked, and named when a run's settings differ from the calibration's."""
+    packaged = (
+        Path(__file__).resolve().parent.parent / "centroidkv" / "data" / "outlier_heads_smollm2-135m.json"
+    )
+    data = json.loads(packaged.read_text())
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps({**data, "budget": 7}))
+    with pytest.raises(
+        ValueError, match=r"budget 7 \(the R its errors were measured at\) must be in \(0, 1\]"
+    ):
+        read_head_file(edited)
+    edited.write_text(json.dumps({**data, "budget": 0.5}))
+    warn_if_settings_differ(edited, read_head_file(edited), {**data["method"], "chunk_size": 1})
+    assert "calibrated with other settings (at R = 0.5): chunk_size=1" in one_error_line(capsys)
 
 
 # ------------------------------------------------------------------ M1. what a packed store really holds
