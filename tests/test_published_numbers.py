@@ -22,6 +22,7 @@ VARIANT_PREFIX = {"CentroidKV": "centroidkv", "K-Means": "kmeans", "SnapKV": "sn
 PUBLISHED = [
     ("docs/results.md", "### 16k tokens (`make long", "results/long.jsonl.gz"),
     ("docs/results.md", "### 32k tokens (`experiment=ruler_long`", "results/ruler_long-32k-qwen2.5-0.5b.jsonl.gz"),
+    ("docs/results.md", "### Qwen2.5-Coder-1.5B at 4k", "results/ruler_long-4k-qwen2.5-1.5b.jsonl.gz"),
     ("docs/results.md", "### 4k tokens: the head-policy factorial", "results/heads-qwen2.5-0.5b.jsonl.gz"),
     ("README.md", "**SmolLM2, 4k: the heads carry the lead", "results/heads.jsonl.gz"),
     ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu.jsonl.gz"),
