@@ -275,7 +275,8 @@ def test_keys_no_schema_knows_are_errors(tmp_path, override, fragment):
             ["benchmark.n_sample=1"],
             "Could not override 'benchmark.n_sample'. (Key 'n_sample' is not in struct)",
         ),
-        (["benchmark=nope"], "Could not find 'benchmark/nope' (available: longbench, niah, ruler, toy"),
+        # the list is not compared: test_benchmark_home drops a benchmark into the tree while it runs
+        (["benchmark=nope"], "Could not find 'benchmark/nope' (available: "),
         (["method.budget=[0.5"], "no viable alternative at input"),
         (["-m", "method.budget=0.5,2"], "job 1 (method.budget=2): budgets: budget must be a fraction"),
         (["-m", "warmup=true,false"], "jobs 0 and 1 would both write"),
