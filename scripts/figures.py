@@ -488,6 +488,25 @@ def label_precision(label: str) -> str:
     return suffix if suffix in PRECISION_MARKERS else "model"
 
 
+def _param_axis(ax, labels: list[str], keys: list[str], names: dict, identity_of: dict) -> tuple[dict, bool]:
+    """Each label's x position on `ax` and whether the axis is numeric: the parameter's value when a
+    single numeric parameter varies, else one categorical tick per configuration (named by its values,
+    or by its own label in a design over more than two factors)."""
+    values = {label: [identity_of[label].get(k, ABSENT) for k in keys] for label in labels}
+    if len(keys) == 1 and all(is_number(v[0]) for v in values.values()):
+        return {label: float(v[0]) for label, v in values.items()}, True
+    if len(keys) > 2:  # a design over many factors: its configurations' own names are readable
+        ticks = labels
+    else:
+        ticks = [
+            ", ".join(f"{names[k]}={format_value(v)}" for k, v in zip(keys, values[label], strict=True))
+            for label in labels
+        ]
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=8)
+    return {label: float(i) for i, label in enumerate(labels)}, False
+
+
 def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
     """Per benchmark: each method's average score against the parameter(s) it was swept over.
 
@@ -514,23 +533,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         params_of = dict(zip(part["method"], part["params"], strict=False))
         for ax, (method, rows, labels, keys) in zip(axes.flat, panels, strict=True):
             names = short_key_names(keys)
-            values = {label: [identity_of[label].get(k, ABSENT) for k in keys] for label in labels}
-            numeric = len(keys) == 1 and all(is_number(v[0]) for v in values.values())
-            if numeric:
-                x_of = {label: float(v[0]) for label, v in values.items()}
-            else:
-                if len(keys) > 2:  # a design over many factors: its configurations' own names are readable
-                    ticks = labels
-                else:
-                    ticks = [
-                        ", ".join(
-                            f"{names[k]}={format_value(v)}" for k, v in zip(keys, values[label], strict=True)
-                        )
-                        for label in labels
-                    ]
-                x_of = {label: float(i) for i, label in enumerate(labels)}
-                ax.set_xticks(range(len(labels)))
-                ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=8)
+            x_of, numeric = _param_axis(ax, labels, keys, names, identity_of)
             for i, (budget, series) in enumerate(rows.groupby("budget")):  # the method's colour, by budget
                 series = series.assign(x=series["label"].map(x_of)).sort_values("x")
                 style = {**method_style(method, params_of.get(method)), **series_look(i)}
