@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--n-sink", type=int, default=16)
     parser.add_argument("--n-recent", type=int, default=64)
     parser.add_argument("--compress-interval", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="also one SERVE_VS_HARNESS line of JSON")
     args = parser.parse_args()
     plugin = read_result(args.result)
     budget = plugin["budget"] or 1.0
@@ -62,19 +63,27 @@ def main() -> None:
         compress_interval=args.compress_interval,
     )
     runs = [Run(get_method("full"), 1.0), Run(method, budget)]
+    compared = []
     for ids, tokens in zip(plugin["prompt_ids"], plugin["tokens"]):
         prompt = Prompt(prefilled=ids, fed=[], context=ids, question=[])
-        full, ours = run(model, prompt, runs, len(tokens), eos_token_ids=set(), budget_unit="entries")
-        for name, outcome in (("full", full), (f"centroidkv R={budget}", ours)):
+        outcomes = run(model, prompt, runs, len(tokens), eos_token_ids=set(), budget_unit="entries")
+        row = {"prompt_tokens": len(ids), "new_tokens": len(tokens)}
+        for name, outcome in zip(("full", "centroidkv"), outcomes, strict=True):
             if outcome.error is not None:
-                print(f"n={len(ids)} {name}: error {outcome.error}")
-                continue
+                raise SystemExit(f"n={len(ids)} {name}: error {outcome.error}")
             generated = outcome.generation.tokens[0]
+            row[name] = {
+                "agree": agreement(generated, tokens),
+                "entries": outcome.generation.seq_lengths[0],
+            }
             print(
-                f"n={len(ids)} harness {name} ({args.dtype}): agrees with the plugin on "
-                f"{agreement(generated, tokens)}/{len(tokens)} tokens; entries per layer at the end "
-                f"{outcome.generation.seq_lengths[0]}"
+                f"n={len(ids)} harness {name} R={budget if name != 'full' else 1.0} ({args.dtype}): "
+                f"agrees with the plugin on {row[name]['agree']}/{len(tokens)} tokens; entries per "
+                f"layer at the end {row[name]['entries']}"
             )
+        compared.append(row)
+    if args.json:
+        print("SERVE_VS_HARNESS " + json.dumps(compared))
 
 
 if __name__ == "__main__":
