@@ -17,10 +17,8 @@ is named here):
   <benchmark>_score_vs_param  average score vs the parameter(s) a method was swept over (r_init,
                             schedule, chunk_size, ...), one panel per swept method, one line per budget.
 
-Every method has one colour and marker, the same in every figure of every experiment, taken from the
-method's name alone (`method_style`: a stable hash of the name, so adding a method moves no other);
-the full cache is black with a star, in the legend like every drawn series. The variants or configurations of one method share its
-colour and marker and differ in line style and marker fill (`series_look`). Equal points stay
+Every method has one colour and marker, the same in every figure of every experiment, from its
+name alone (`scripts/figure_styles.py`; the full cache is black with a star). Equal points stay
 visible: the score-vs-budget lines are dodged sideways, and in the score-vs-KV figure points at equal
 coordinates are spread a little along x (each figure says which). Titles name the benchmark by its
 report (`Report.title`, e.g. "RULER: ..."). Files are written atomically (a temporary file renamed
@@ -30,13 +28,10 @@ into place), never through a symbolic link.
 from __future__ import annotations
 
 import argparse
-import functools
-import hashlib
 import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,94 +44,22 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from centroidkv.files import replaced_atomically  # noqa: E402
-from centroidkv.methods import method_class, method_label, method_variant  # noqa: E402
+from centroidkv.methods import method_label  # noqa: E402
 from centroidkv.parsing import is_number  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from eval.records import RECORDS, differing_keys  # noqa: E402
+from scripts.figure_styles import (  # noqa: E402
+    FULL_MARKER,
+    PRECISION_MARKERS,
+    label_precision,
+    label_styles,
+    method_style,
+    series_look,
+    series_styles,
+    spread_coinciding,
+)
 from scripts.table_files import OutputError, output_folder, output_path, safe_name  # noqa: E402
 from scripts.tables import ABSENT, format_value, kv_ratio, load_or_error, short_key_names  # noqa: E402
-
-MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
-# tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9
-# methods get 9 hues.
-COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
-# (colour, marker) pairs: both change from one to the next, all distinct (lcm(18, 11) = 198).
-PAIRS = [(COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]) for i in range(len(COLORS) * len(MARKERS))]
-FULL_COLORS = ("black", "dimgray", "darkgray")  # full-cache references (several when a row split)
-FULL_MARKER = "*"
-STYLE_SALT = "centroidkv-style:"  # see style_place
-# How the series of one method differ (its variants, configurations or budgets): the i-th one gets
-# the i-th line style and marker fill, so that even a single point tells them apart.
-LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
-FILLSTYLES = ("full", "none", "left", "bottom", "right", "top")
-
-
-@functools.cache
-def style_place(name: str) -> int:
-    """A method's (or wrapped variant's) place in PAIRS: a stable function of its name alone (a salted
-    SHA-1), so that registering or removing another method never moves it. The salt is the one that
-    gives the built-in methods nine different colours; a later method may share a pair with one of
-    them (1 in 198), and the legend names each."""
-    return int(hashlib.sha1((STYLE_SALT + name).encode()).hexdigest(), 16) % len(PAIRS)
-
-
-def method_style(method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The colour and marker of a method run, the same in every figure: the pair at `style_place` of
-    the registered name, or of what a wrapper names (`Method.variant_for`, e.g. kvpress-TOVA for
-    kvpress's TOVAPress). The full cache is black with a star.
-
-    The one place a series' colour and marker are chosen: a field that should change the marker
-    (e.g. a KV precision) belongs here."""
-    cls = _registered(method)
-    if cls is not None and not cls.compresses:
-        return dict(color=FULL_COLORS[0], marker=FULL_MARKER)
-    key = method_variant(method, params) if cls is not None else method
-    return dict(zip(("color", "marker"), PAIRS[style_place(key)], strict=True))
-
-
-def _registered(method: str):
-    try:
-        return method_class(method)
-    except ValueError:  # records of a method that is no longer installed
-        return None
-
-
-def series_look(index: int) -> dict[str, Any]:
-    """Line style and marker fill of the `index`-th series of one method (0: solid line, filled)."""
-    return dict(linestyle=LINESTYLES[index % len(LINESTYLES)], fillstyle=FILLSTYLES[index % len(FILLSTYLES)])
-
-
-def series_styles(series: list[tuple[Any, str, dict[str, Any]]]) -> dict[Any, dict[str, Any]]:
-    """Each series -> its style: its method's colour and marker (`method_style`) and, among the
-    series of one method in the order given, the i-th `series_look`. A full-cache series gets the
-    reference style (`_full_style`, the i-th of them) with the full cache's star.
-
-    `series`: (series name, method, params) in drawing order, each name once."""
-    styles: dict[Any, dict[str, Any]] = {}
-    seen: dict[tuple, int] = {}
-    n_full = 0
-    for name, method, params in series:
-        style = method_style(method, params)
-        if style["marker"] == FULL_MARKER:
-            styles[name] = {**_full_style(n_full), "marker": FULL_MARKER}
-            n_full += 1
-            continue
-        key = (style["color"], style["marker"])
-        styles[name] = {**style, **series_look(seen.get(key, 0))}
-        seen[key] = seen.get(key, 0) + 1
-    return styles
-
-
-def label_styles(df: pd.DataFrame) -> dict[str, dict[str, Any]]:
-    """label -> its style (`series_styles`), the labels of one method (its variants, configurations)
-    numbered in `label_rank` order."""
-    firsts = df.sort_values("label_rank").drop_duplicates("label")
-    return series_styles(list(zip(firsts["label"], firsts["method"], firsts["params"], strict=True)))
-
-
-def _full_style(index: int) -> dict:
-    """A full-cache reference line: dashed, black first, greys for further configurations."""
-    return dict(color=FULL_COLORS[index % len(FULL_COLORS)], linestyle="--", linewidth=1.2)
 
 
 def _note(ax, text: str, y: float) -> None:
@@ -149,32 +72,6 @@ def _note(ax, text: str, y: float) -> None:
 def benchmark_title(benchmark: str) -> str:
     """The benchmark's name in every figure title: its report's (`Report.title`, e.g. "RULER")."""
     return benchmark_report(benchmark).title
-
-
-def spread_coinciding(
-    points: list[tuple[str, float, float]], step: float, y_close: float = 1.5
-) -> dict[tuple[str, int], float]:
-    """Small deterministic offsets along x for points that would hide each other.
-
-    `points`: (series, x, y) in drawing order. A point closer than `step` in x and `y_close` in y to
-    the first point of a group joins that group; the points of a group are spread `step` apart
-    around their own x, in drawing order; a lone point keeps its x. Returns (series, index of the
-    point in its series) -> offset."""
-    groups: list[tuple[float, float, list[tuple[str, int]]]] = []
-    index_in: dict[str, int] = {}
-    for series, x, y in points:
-        index = index_in.get(series, 0)
-        index_in[series] = index + 1
-        group = next((g for g in groups if abs(g[0] - x) < step and abs(g[1] - y) < y_close), None)
-        if group is None:
-            groups.append((x, y, [(series, index)]))
-        else:
-            group[2].append((series, index))
-    offsets = {}
-    for _, _, members in groups:
-        for position, member in enumerate(members):
-            offsets[member] = (position - (len(members) - 1) / 2) * step
-    return offsets
 
 
 def _save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
@@ -476,16 +373,6 @@ def score_vs_kv(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             )
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_kv")
     return paths
-
-
-# Storage precision -> marker in the score-vs-KV figure (centroidkv.quantization.PRECISIONS).
-PRECISION_MARKERS = {"model": "o", "bf16": "D", "fp16": "d", "int8": "s", "int4": "^", "int2": "v"}
-
-
-def label_precision(label: str) -> str:
-    """The storage precision a run's label names (" @int8", `precision_suffix`); "model" without one."""
-    suffix = label.rpartition(" @")[2] if " @" in label else "model"
-    return suffix if suffix in PRECISION_MARKERS else "model"
 
 
 def _param_axis(ax, labels: list[str], keys: list[str], names: dict, identity_of: dict) -> tuple[dict, bool]:

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
 
-from scripts import figures, tables
+from scripts import figure_styles, figures, tables
 
 
 def record(experiment: str, method: str, budget: float, task: str, sample: int, score: float, **extra):
@@ -67,14 +67,14 @@ def test_a_method_keeps_its_colour_and_marker_from_the_registry_in_every_experim
         a = series(drawn[f"with_full_ruler_{name}"].axes[0])
         b = series(drawn[f"without_full_ruler_{name}"].axes[0])
         for label, method in (("CentroidKV", "centroidkv"), ("SnapKV", "snapkv")):
-            expected = figures.method_style(method)
+            expected = figure_styles.method_style(method)
             for line in (a[label], b[label]):
                 assert to_rgba(line.get_color()) == to_rgba(expected["color"]), (name, label)
                 assert line.get_marker() == expected["marker"], (name, label)
     # Every registered method that compresses has its own pair.
-    pairs = {tuple(figures.method_style(m).values()) for m in compressing_methods()}
+    pairs = {tuple(figure_styles.method_style(m).values()) for m in compressing_methods()}
     assert len(pairs) == len(compressing_methods()) >= 9
-    assert figures.method_style("full")["marker"] == "*"
+    assert figure_styles.method_style("full")["marker"] == "*"
 
 
 def test_variants_of_one_method_share_its_colour_and_marker_and_differ_in_line_and_fill(tmp_path, drawn):
@@ -83,12 +83,12 @@ def test_variants_of_one_method_share_its_colour_and_marker_and_differ_in_line_a
         for v, r, score in (("ckv_a", 0.1, 50.0), ("ckv_b", 0.3, 70.0))
     ]
     write_job(tmp_path, "exp", records)
-    styles = figures.label_styles(tables.load([tmp_path / "exp"]))
+    styles = figure_styles.label_styles(tables.load([tmp_path / "exp"]))
     a, b = styles["ckv_a"], styles["ckv_b"]
     assert (
         (a["color"], a["marker"])
         == (b["color"], b["marker"])
-        == tuple(figures.method_style("centroidkv").values())
+        == tuple(figure_styles.method_style("centroidkv").values())
     )
     assert a["linestyle"] != b["linestyle"] and a["fillstyle"] != b["fillstyle"]
 
@@ -160,10 +160,10 @@ def test_adding_a_method_moves_no_other_methods_colour_or_marker(monkeypatch):
     `keynorm` turned SnapKV from an olive pentagon into a cyan plus."""
     from centroidkv.methods import REGISTRY, method_class
 
-    before = {name: figures.method_style(name) for name in compressing_methods()}
+    before = {name: figure_styles.method_style(name) for name in compressing_methods()}
     for new_name in ("aaa_first", "keynorm", "mmm_middle"):
         added = type(f"Added_{new_name}", (method_class("snapkv"),), {"name": new_name})
         monkeypatch.setitem(REGISTRY, new_name, added)
         assert new_name in compressing_methods()
-        after = {name: figures.method_style(name) for name in before}
+        after = {name: figure_styles.method_style(name) for name in before}
         assert after == before, new_name

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from scripts import figures, tables
+from scripts import figure_styles, figures, tables
 
 IDENTITY: dict[str, Any] = {
     "model.name": "tiny",
@@ -205,11 +205,11 @@ def test_every_variant_has_its_own_style(tmp_path):
         for v, r in (("ckv_a", 0.1), ("ckv_b", 0.3))
     ]
     job(tmp_path, "a", records)
-    styles = figures.label_styles(tables.load([tmp_path / "exp"]))
+    styles = figure_styles.label_styles(tables.load([tmp_path / "exp"]))
     a, b = styles["ckv_a"], styles["ckv_b"]  # one method: its colour and marker, another line and fill
     assert (a["linestyle"], a["fillstyle"]) != (b["linestyle"], b["fillstyle"])
-    pairs = {(tuple(color), marker) for color, marker in figures.PAIRS}
-    assert len(pairs) == len(figures.PAIRS) >= 40  # distinct colour-marker pairs for methods
+    pairs = {(tuple(color), marker) for color, marker in figure_styles.PAIRS}
+    assert len(pairs) == len(figure_styles.PAIRS) >= 40  # distinct colour-marker pairs for methods
 
 
 def test_score_vs_param_names_the_swept_parameters(tmp_path, drawn):
