@@ -29,6 +29,7 @@ PUBLISHED = [
     ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu.jsonl.gz"),
     ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads.jsonl.gz"),
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
+    ("docs/results.md", "## The kvpress zoo with head policies", "results/kvpress_zoo.jsonl.gz"),
 ]  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def published_cells(rows: list[dict[str, str]], budget: float | None) -> dict[tu
     in parentheses comes from another job and is not compared."""
     cells = {}
     for row in rows:
-        name = re.sub(r"\*|\(.*\)", "", row["method"]).strip()
+        name = re.sub(r"\*|\s+\((?!kvpress\))[^)]*\)", "", row["method"]).strip()  # " (kvpress)": a press
         for column, text in row.items():
             found = re.fullmatch(r"(none|whole|budget)?(?: ?(\d/\d+|0\.\d+))?", column)
             if found is None or not any(found.groups()) or not text or text.startswith("("):
