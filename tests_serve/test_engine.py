@@ -17,7 +17,9 @@ from centroidkv_vllm.__main__ import DEFAULT_MODEL
 from centroidkv_vllm.config import refusal
 
 needs_model = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), reason="no converted model")
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# The engine core and its worker in the command's own process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0):
+# half the start-up of vLLM's default three processes; test_readme_example runs those.
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def run_generate(*args: str, command: str = "generate") -> tuple[dict | None, str]:
