@@ -30,6 +30,7 @@ PUBLISHED = [
     ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads.jsonl.gz"),
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
     ("docs/results.md", "## The kvpress zoo with head policies", "results/kvpress_zoo.jsonl.gz"),
+    ("docs/results.md", "## CentroidKV's own ablation on dev", "results/ablate_centroidkv.jsonl.gz"),
 ]  # fmt: skip
 
 
@@ -49,13 +50,14 @@ def markdown_table(document: Path, after: str) -> list[dict[str, str]]:
 
 def published_cells(rows: list[dict[str, str]], budget: float | None) -> dict[tuple[str, float], float]:
     """(label, budget) -> the published average: `policy 1/8` columns name `<method>-<policy>` variants,
-    plain `1/8` columns the method's own label; a table of one budget has `policy` columns only. A cell
-    in parentheses comes from another job and is not compared."""
+    plain `1/8` (or `Avg 1/8`) columns the method's own label; a table of one budget has `policy`
+    columns only. A cell in parentheses comes from another job and is not compared; a row's note in
+    parentheses is not part of its label, except " (kvpress)", which names a press."""
     cells = {}
     for row in rows:
         name = re.sub(r"\*|\s+\((?!kvpress\))[^)]*\)", "", row["method"]).strip()  # " (kvpress)": a press
         for column, text in row.items():
-            found = re.fullmatch(r"(none|whole|budget)?(?: ?(\d/\d+|0\.\d+))?", column)
+            found = re.fullmatch(r"(?:Avg )?(none|whole|budget)?(?: ?(\d/\d+|0\.\d+))?", column)
             if found is None or not any(found.groups()) or not text or text.startswith("("):
                 continue
             policy, fraction = found.groups()
