@@ -65,3 +65,20 @@ def test_without_its_scheduler_the_plugin_frees_nothing(unlimited):
     kept = workload(120, "--keep-blocks")
     assert max(kept["running"]) == 2 and kept["freed_early"] == 0
     assert kept["tokens"][:2] == unlimited["tokens"][:2]
+
+
+@needs_model
+def test_a_preempted_request_is_prefilled_again_and_finishes():
+    """Preemption by recompute is supported, not refused: at R = 1/2 with 256 new tokens the same pool
+    runs out while requests grow, vLLM preempts one, and the plugin plans it again from its second
+    prefill (`centroidkv_vllm.plan`) on both sides; every request still gets all of its tokens."""
+    result, log = run_generate(
+        *("--budget", "0.5", "--compress-interval", "32", "--dtype", "float32"),
+        *("--requests", str(REQUESTS), "--prompt-tokens", str(PROMPT), "--max-tokens", "256"),
+        *("--kv-mib", "120"),
+        command="workload",
+    )
+    assert result is not None, log[-3000:]
+    assert result["preemptions"] >= 1, result["running"]
+    assert [len(tokens) for tokens in result["tokens"]] == [256] * REQUESTS
+    assert result["freed_early"] > 0
