@@ -220,15 +220,22 @@ def kv_ratio(df: pd.DataFrame) -> pd.Series:
     packed, a 16-bit one's grow between compressions, so this is what two methods really held), else
     right after compression (`kv_budget_ratio`, older records), else the oldest `kv_ratio`. A method
     that does not compress (the full cache) is its own reference: 1.0, not the 0.97 of a prompt over
-    prompt + max_new_tokens."""
+    prompt + max_new_tokens; a full-length cache in fewer bits (KIVI, `kv_precision`) keeps its ratio."""
     measured = pd.Series(np.nan, index=df.index, dtype=float)
     for column in ("kv_final_ratio", "kv_budget_ratio", "kv_ratio"):
         if column in df:
             measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
     if "method" in df:
         reference = df["method"].map(lambda name: not _compresses(str(name)))
+        if "params" in df:
+            reference &= df["params"].map(_model_precision)
         measured[reference.astype(bool)] = 1.0
     return measured
+
+
+def _model_precision(params: Any) -> bool:
+    """Whether a run stores its entries in the model's own dtype (no `kv_precision` of its own)."""
+    return not isinstance(params, dict) or params.get("kv_precision", "model") in (None, "model")
 
 
 @functools.cache

@@ -169,6 +169,20 @@ def test_kv_column_is_what_the_cache_held_at_the_end_and_kept_all_is_counted(tmp
     assert rows["CentroidKV"]["kept all"] == "2" and rows["Full cache"]["kept all"] == "0"
 
 
+def test_a_full_length_cache_in_fewer_bits_keeps_its_measured_ratio(tmp_path):
+    """The full cache is 1.00 of its own reference, but KIVI (no eviction, 2-bit codes) stores 0.21 of
+    the bytes: it showed 1.00 before (every method that does not compress was taken as the reference)."""
+    records = [
+        record("full", 1.0, "niah_single_1", 0, 100.0, kv_final_ratio=0.97),
+        record("full", 1.0, "niah_single_1", 1, 100.0, kv_final_ratio=0.97),
+        record("kivi", 1.0, "niah_single_1", 0, 50.0, kv_final_ratio=0.21, params={"kv_precision": "int2"}),
+        record("kivi", 1.0, "niah_single_1", 1, 50.0, kv_final_ratio=0.23, params={"kv_precision": "int2"}),
+    ]
+    job(tmp_path, "a", records, IDENTITY)
+    ratios = tables.kv_ratio(tables.load([tmp_path])).round(2).tolist()
+    assert sorted(ratios) == [0.21, 0.23, 1.0, 1.0]
+
+
 def test_kv_column_without_measurement_shows_a_dash(tmp_path):
     job(tmp_path, "a", two_methods(range(1)), IDENTITY)
     assert budget_table(tmp_path)["CentroidKV"]["KV"] == "-"
