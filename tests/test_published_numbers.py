@@ -52,10 +52,15 @@ def published_cells(rows: list[dict[str, str]], budget: float | None) -> dict[tu
     """(label, budget) -> the published average: `policy 1/8` columns name `<method>-<policy>` variants,
     plain `1/8` (or `Avg 1/8`) columns the method's own label; a table of one budget has `policy`
     columns only. A cell in parentheses comes from another job and is not compared; a row's note in
-    parentheses is not part of its label, except " (kvpress)", which names a press."""
+    parentheses is not part of its label, except " (kvpress)", which names a press. A table with `R`
+    and `score` columns has one row per method and budget."""
     cells = {}
     for row in rows:
-        name = re.sub(r"\*|\s+\((?!kvpress\))[^)]*\)", "", row["method"]).strip()  # " (kvpress)": a press
+        method = row.get("method", row.get("Method", ""))
+        name = re.sub(r"\*|\s+\((?!kvpress\))[^)]*\)", "", method).strip()  # " (kvpress)": a press
+        if "R" in row and "score" in row:
+            cells[name, float(row["R"])] = float(row["score"])
+            continue
         for column, text in row.items():
             found = re.fullmatch(r"(?:Avg )?(none|whole|budget)?(?: ?(\d/\d+|0\.\d+))?", column)
             if found is None or not any(found.groups()) or not text or text.startswith("("):
