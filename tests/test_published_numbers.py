@@ -31,6 +31,8 @@ PUBLISHED = [
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
     ("docs/results.md", "## The kvpress zoo with head policies", "results/kvpress_zoo.jsonl.gz"),
     ("docs/results.md", "## CentroidKV's own ablation on dev", "results/ablate_centroidkv.jsonl.gz"),
+    ("docs/results.md", "RULER, the 5 reproduce tasks. Score", "results/precision.jsonl.gz"),
+    ("docs/results.md", "NIAH (one needle at depths", "results/precision_niah.jsonl.gz"),
 ]  # fmt: skip
 
 
