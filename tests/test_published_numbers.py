@@ -28,6 +28,7 @@ PUBLISHED = [
     ("README.md", "**SmolLM2, 4k: the heads carry the lead", "results/heads.jsonl.gz"),
     ("README.md", "**The paper's table**", "results/reproduce_ruler_cpu.jsonl.gz"),
     ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads.jsonl.gz"),
+    ("docs/results.md", "### The factorial on dev (`make ablate`)", "results/ablate_heads.jsonl.gz"),
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
     ("docs/results.md", "## The kvpress zoo with head policies", "results/kvpress_zoo.jsonl.gz"),
     ("docs/results.md", "## CentroidKV's own ablation on dev", "results/ablate_centroidkv.jsonl.gz"),
