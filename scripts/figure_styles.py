@@ -17,6 +17,7 @@ import matplotlib
 import pandas as pd
 
 from centroidkv.methods import method_class, method_variant
+from scripts.tables import model_precision
 
 MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
 # tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9
@@ -45,12 +46,13 @@ def style_place(name: str) -> int:
 def method_style(method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The colour and marker of a method run, the same in every figure: the pair at `style_place` of
     the registered name, or of what a wrapper names (`Method.variant_for`, e.g. kvpress-TOVA for
-    kvpress's TOVAPress). The full cache is black with a star.
+    kvpress's TOVAPress). The full cache is black with a star; a full-length cache in fewer bits
+    (KIVI) is a method of its own.
 
     The one place a series' colour and marker are chosen: a field that should change the marker
     (e.g. a KV precision) belongs here."""
     cls = _registered(method)
-    if cls is not None and not cls.compresses:
+    if cls is not None and not cls.compresses and model_precision(params):
         return dict(color=FULL_COLORS[0], marker=FULL_MARKER)
     key = method_variant(method, params) if cls is not None else method
     return dict(zip(("color", "marker"), PAIRS[style_place(key)], strict=True))

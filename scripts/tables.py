@@ -228,12 +228,12 @@ def kv_ratio(df: pd.DataFrame) -> pd.Series:
     if "method" in df:
         reference = df["method"].map(lambda name: not _compresses(str(name)))
         if "params" in df:
-            reference &= df["params"].map(_model_precision)
+            reference &= df["params"].map(model_precision)
         measured[reference.astype(bool)] = 1.0
     return measured
 
 
-def _model_precision(params: Any) -> bool:
+def model_precision(params: Any) -> bool:
     """Whether a run stores its entries in the model's own dtype (no `kv_precision` of its own)."""
     return not isinstance(params, dict) or params.get("kv_precision", "model") in (None, "model")
 

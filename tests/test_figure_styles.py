@@ -167,3 +167,18 @@ def test_adding_a_method_moves_no_other_methods_colour_or_marker(monkeypatch):
         assert new_name in compressing_methods()
         after = {name: figure_styles.method_style(name) for name in before}
         assert after == before, new_name
+
+
+def test_a_full_length_cache_in_fewer_bits_is_drawn_as_a_method_of_its_own(tmp_path, drawn):
+    """KIVI (no eviction, 2-bit codes) used to get the full cache's reference style, and the
+    score-vs-budget figure then failed (two line widths); it is a method with its own colour."""
+    records = [
+        record("exp", method, 1.0, task, 0, 100.0 if method == "full" else 40.0, params=params, ratio=ratio)
+        for method, params, ratio in (("full", {}, 1.0), ("kivi", {"kv_precision": "int2"}, 0.21))
+        for task in ("niah_single_1", "vt")
+    ]
+    figures.make_figures(tables.load([write_job(tmp_path, "exp", records)]), tmp_path / "out")
+    lines = series(drawn["exp_ruler_accuracy_vs_budget"].axes[0])
+    kivi = next(line for label, line in lines.items() if label.startswith("KIVI"))
+    assert kivi.get_marker() != figure_styles.FULL_MARKER and kivi.get_linestyle() == "-"
+    assert figure_styles.method_style("kivi", {"kv_precision": "int2"})["marker"] != figure_styles.FULL_MARKER
