@@ -175,8 +175,8 @@ speed: $(STAMP)
 	$(PYTHON) scripts/tables.py results/speed
 	$(PYTHON) scripts/figures.py results/speed --out paper_figures
 
-# Every published table again from the committed compact records alone (results/*.jsonl.gz ->
-# results/<experiment>/tables/): `rm -rf results/*/ && make published` (seconds).
+# Every published table and figure again from the committed compact records alone (results/*.jsonl.gz ->
+# results/<experiment>/tables/ and figures/): `rm -rf results/*/ && make published` (about a minute).
 published: $(STAMP)
 	$(PYTHON) scripts/compact_records.py tables results/*.jsonl.gz
 

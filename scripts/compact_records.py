@@ -3,9 +3,10 @@ so that a reader can regenerate every table without rerunning anything.
 
   python scripts/compact_records.py export results/<experiment> --command "make reproduce-ruler"
       -> results/<experiment>.jsonl.gz (the default --out; a few KB per 100 records)
-  python scripts/compact_records.py tables results/*.jsonl.gz [--out DIR]
+  python scripts/compact_records.py tables results/*.jsonl.gz [--out DIR] [--no-figures]
       -> the tables of `scripts/tables.py` from each compact file alone (default: results/<experiment>/tables/,
-         so `rm -rf results/*/` removes every generated file and keeps the compact records)
+         so `rm -rf results/*/` removes every generated file and keeps the compact records), and the
+         figures of `scripts/figures.py` beside them (results/<experiment>/figures/)
 
 The file's first line is {"compact": 1, "commit", "command", "identities": {experiment/job: the
 job's saved identity}}; each further line is one record with only COMPACT_FIELDS. `tables` expands
@@ -116,8 +117,9 @@ def default_tables_folder(compact: Path) -> Path:
     return compact.parent / name / "tables"
 
 
-def tables_from_compact(compact: Path, out: Path) -> list[Path]:
-    """The tables of `scripts/tables.py` from the compact file alone."""
+def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[Path]:
+    """The tables of `scripts/tables.py` from the compact file alone, and (`figures`) the figures of
+    `scripts/figures.py` in the `figures` folder beside them."""
     from scripts.tables import load_or_error, write_tables
 
     with tempfile.TemporaryDirectory() as temporary:
@@ -125,7 +127,12 @@ def tables_from_compact(compact: Path, out: Path) -> list[Path]:
         df = load_or_error([Path(temporary)])
         if isinstance(df, str):
             raise ValueError(df)
-        return write_tables(df, out)
+        written = write_tables(df, out)
+        if figures:
+            from scripts.figures import make_figures
+
+            written += make_figures(df, out.parent / "figures")
+        return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     tabling.add_argument(
         "--out", type=Path, help="one file's tables here (default: <experiment>/tables beside it)"
     )
+    tabling.add_argument("--no-figures", action="store_true", help="tables only")
     args = parser.parse_args(argv)
     try:
         if args.action == "export":
@@ -153,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--out takes one compact file's tables; give one file or no --out")
         else:
             for compact in args.compact:
-                written = tables_from_compact(compact, args.out or default_tables_folder(compact))
-                print(f"[tables] {len(written)} files from {compact}")
+                out = args.out or default_tables_folder(compact)
+                written = tables_from_compact(compact, out, figures=not args.no_figures)
+                print(f"[tables] {len(written)} files from {compact} (tables and figures under {out.parent})")
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -91,7 +91,7 @@ def test_a_published_table_is_what_its_committed_records_give(tmp_path, publishe
 
 def test_the_one_command_regenerates_every_readme_table_from_the_compact_files_alone(tmp_path):
     """`rm -rf results/*/ && make published`: the tables it writes from the committed compact files
-    (nothing else under results/) hold every number of README.md's tables."""
+    (nothing else under results/) hold every number of README.md's tables, and it draws the figures."""
     from scripts.compact_records import default_tables_folder, main
 
     readme = [entry for entry in PUBLISHED if entry[0] == "README.md"]
@@ -104,6 +104,7 @@ def test_the_one_command_regenerates_every_readme_table_from_the_compact_files_a
         cells = published_cells(markdown_table(ROOT / document, after), *budget or [None])
         assert cells, "no cell read from the table"
         written = default_tables_folder(copy)
+        assert list((written.parent / "figures").glob("*_accuracy_vs_budget.png")), "no figure drawn"
         for (label, at), published in cells.items():
             rows = markdown_table(written / f"ruler_budget{at:g}.md", "**")
             averages = {row["Method"]: float(row["Avg"].strip("*")) for row in rows}
