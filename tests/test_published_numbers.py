@@ -34,6 +34,7 @@ PUBLISHED = [
     ("docs/results.md", "## CentroidKV's own ablation on dev", "results/ablate_centroidkv.jsonl.gz"),
     ("docs/results.md", "RULER, the 5 reproduce tasks. Score", "results/precision.jsonl.gz"),
     ("docs/results.md", "NIAH (one needle at depths", "results/precision_niah.jsonl.gz"),
+    ("docs/results.md", "## CentroidKV's merge fraction r_init", "results/sweep_r.jsonl.gz"),
 ]  # fmt: skip
 
 
@@ -55,12 +56,15 @@ def published_cells(rows: list[dict[str, str]], budget: float | None) -> dict[tu
     """(label, budget) -> the published average: `policy 1/8` columns name `<method>-<policy>` variants,
     plain `1/8` (or `Avg 1/8`) columns the method's own label; a table of one budget has `policy`
     columns only. A cell in parentheses comes from another job and is not compared; a row's note in
-    parentheses is not part of its label, except " (kvpress)", which names a press. A table with `R`
+    parentheses is not part of its label, except " (kvpress)", which names a press, and a parameter's
+    value such as " (r_init=0.1)". A table with `R`
     and `score` columns has one row per method and budget."""
     cells = {}
     for row in rows:
         method = row.get("method", row.get("Method", ""))
-        name = re.sub(r"\*|\s+\((?!kvpress\))[^)]*\)", "", method).strip()  # " (kvpress)": a press
+        name = re.sub(
+            r"\*|\s+\((?!kvpress\))(?![^)]*=)[^)]*\)", "", method
+        ).strip()  # keeps " (kvpress)", "(r=1)"
         if "R" in row and "score" in row:
             cells[name, float(row["R"])] = float(row["score"])
             continue
