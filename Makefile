@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 # in one process whose engines run on one core each. The plugin's tests need the converted model.
 test: $(STAMP) $(SERVE_STAMP)
 	$(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test SERVE_TESTS='-m "not slow"'
 
 test-harness: $(STAMP)
 	$(BIN)/pytest -q -n auto --maxprocesses 4 tests
@@ -80,10 +80,10 @@ $(SERVE_STAMP): pyproject.toml
 	$(SERVE_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
 	touch $(SERVE_STAMP)
 
-# The plugin's own tests, in the serving venv (part of `make test`; this target runs them alone).
+# The plugin's own tests, in the serving venv: all of them (`make test` leaves out those marked slow).
 serve-test: $(STAMP) $(SERVE_STAMP)
 	$(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
-	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve
+	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve $(SERVE_TESTS)
 
 # Stock vLLM against the plugin at R = 1/2, 1/4, 1/8 at equal KV memory (scripts/serve_bench.py);
 # ARGS=--quick: 8 requests of 1024 + 256 tokens in a pool of 2 full-cache requests.

@@ -67,6 +67,7 @@ def test_without_its_scheduler_the_plugin_frees_nothing(unlimited):
     assert kept["tokens"][:2] == unlimited["tokens"][:2]
 
 
+@pytest.mark.slow
 @needs_model
 def test_a_preempted_request_is_prefilled_again_and_finishes():
     """Preemption by recompute is supported, not refused: at R = 1/2 with 256 new tokens the same pool
