@@ -27,9 +27,8 @@ $(STAMP): pyproject.toml
 # Every test: the harness's (tests/, in .venv) and the vLLM plugin's (tests_serve/, in .venv-serve,
 # built on first use), side by side: the harness's suite on pytest-xdist workers (one per core, at
 # most 4: most of its tests wait on a process start-up or on one-thread tensor code), the plugin's
-# in one process whose engines run on one core each. The plugin's tests need the converted model.
+# in one process whose engines run on one core each (serve-test converts the model they need first).
 test: $(STAMP) $(SERVE_STAMP)
-	$(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test SERVE_TESTS='-m "not slow"'
 
 test-harness: $(STAMP)

@@ -17,7 +17,7 @@ import matplotlib
 import pandas as pd
 
 from centroidkv.methods import method_class, method_variant
-from scripts.tables import model_precision
+from scripts.tables import is_reference
 
 MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
 # tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9
@@ -52,7 +52,7 @@ def method_style(method: str, params: dict[str, Any] | None = None) -> dict[str,
     The one place a series' colour and marker are chosen: a field that should change the marker
     (e.g. a KV precision) belongs here."""
     cls = _registered(method)
-    if cls is not None and not cls.compresses and model_precision(params):
+    if is_reference(method, params):
         return dict(color=FULL_COLORS[0], marker=FULL_MARKER)
     key = method_variant(method, params) if cls is not None else method
     return dict(zip(("color", "marker"), PAIRS[style_place(key)], strict=True))

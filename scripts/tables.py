@@ -226,16 +226,17 @@ def kv_ratio(df: pd.DataFrame) -> pd.Series:
         if column in df:
             measured = measured.fillna(pd.to_numeric(df[column], errors="coerce"))
     if "method" in df:
-        reference = df["method"].map(lambda name: not _compresses(str(name)))
-        if "params" in df:
-            reference &= df["params"].map(model_precision)
-        measured[reference.astype(bool)] = 1.0
+        params = df["params"] if "params" in df else pd.Series(None, index=df.index, dtype=object)
+        reference = [is_reference(str(m), p) for m, p in zip(df["method"], params, strict=True)]
+        measured[pd.Series(reference, index=df.index, dtype=bool)] = 1.0
     return measured
 
 
-def model_precision(params: Any) -> bool:
-    """Whether a run stores its entries in the model's own dtype (no `kv_precision` of its own)."""
-    return not isinstance(params, dict) or params.get("kv_precision", "model") in (None, "model")
+def is_reference(method: str, params: Any) -> bool:
+    """Whether a run is the full-cache reference: a method that does not compress, storing its entries
+    in the model's own dtype (a full-length cache in fewer bits, KIVI, is a method of its own)."""
+    own_dtype = not isinstance(params, dict) or params.get("kv_precision", "model") in (None, "model")
+    return own_dtype and not _compresses(method)
 
 
 @functools.cache
