@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the paper's speed and memory claims on any CUDA GPU with >= 40 GB (an 8B model in bf16
 # plus a 64k cache), written into one new folder: summary.md (tables, beside the paper's figures),
-# results.json and log.txt. Sized to finish within 8 minutes on one H200; it has not yet run on a GPU
-# (only its --dry-run has), so that is a plan, not a measurement.
+# results.json and log.txt. On one H200 it took 223 s (2026-12-04; its tables are in docs/speed.md).
 # What it runs: scripts/gpu_check.py (TPOT full vs CentroidKV 0.25 at 16k/32k/64k on random-llama3.1-8b
 # in bf16 (seeded random weights of the paper's shape: no Hub access or gated download needed), peak
 # GPU memory, compression time per call, CSM vs K-Means at 32k, FlexAttention/flash-attn vs the
@@ -46,6 +45,14 @@ fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/centroidkv-site .whl/*.whl
+  export PYTHONPATH="/tmp/centroidkv-site:${PYTHONPATH:-}"
+fi
+# Run from the working tree without an install, the harness's baselines are missing: they are found
+# through the project's entry points, which only an installed distribution declares. Install a copy
+# (--no-deps) beside the wheels; the working tree stays first on the path.
+if ! "$PYTHON" -c "import importlib.metadata as m; m.distribution('centroidkv')" 2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+    --upgrade --target /tmp/centroidkv-site .
   export PYTHONPATH="/tmp/centroidkv-site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:$PWD/scripts:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
