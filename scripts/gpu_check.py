@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, help="run these sections alone (default: all of them)"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         torch.set_num_threads(1)  # small tensors on a possibly shared CPU
@@ -109,6 +112,40 @@ def environment(report: Report, args) -> dict:
     return info
 
 
+TRANSFORMERS = "transformers"  # the reference row: transformers' DynamicCache and stock SDPA attention
+
+
+@torch.inference_mode()
+def transformers_decode(model, ids: torch.Tensor, new_tokens: int):
+    """`bench_throughput.decode_run`'s prefill and greedy steps through transformers' own cache and
+    attention (the model's degree-aware attention switched off meanwhile): what a decode step costs
+    without this harness, on the same model and machine."""
+    from bench_throughput import Decoded
+    from transformers import DynamicCache
+
+    from centroidkv.timing import Timer
+
+    harness_attention = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        cache, timer, times = DynamicCache(config=model.config), Timer(ids.device), []
+        with timer.span() as prefill:
+            token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(new_tokens - 1):
+            with timer.span() as step:
+                token = (
+                    model(token, past_key_values=cache, logits_to_keep=1)
+                    .logits[:, -1]
+                    .argmax(-1, keepdim=True)
+                )
+            times.append(step.seconds)
+    finally:
+        model.set_attn_implementation(harness_attention)
+    kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    tpot = sum(times[1:]) / len(times[1:])
+    return Decoded(kv_bytes, ids.shape[0] / tpot, tpot, prefill.seconds)
+
+
 def tpot_and_memory(report: Report, args, model) -> dict:
     from bench_throughput import decode_run, method_for
 
@@ -125,13 +162,16 @@ def tpot_and_memory(report: Report, args, model) -> dict:
     rows = []
     for length in args.lengths:
         ids = torch.randint(3, model.config.vocab_size, (1, length), device=args.device)
-        for index, (method, budget) in enumerate((("full", 1.0), ("centroidkv", 0.25))):
+        for index, (method, budget) in enumerate((("full", 1.0), ("centroidkv", 0.25), (TRANSFORMERS, 1.0))):
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            decoded = decode_run(model, ids, method_for(method, args.model), budget, args.new_tokens)
+            if method == TRANSFORMERS:
+                decoded = transformers_decode(model, ids, args.new_tokens)
+            else:
+                decoded = decode_run(model, ids, method_for(method, args.model), budget, args.new_tokens)
             peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else float("nan")
-            paper = PAPER_TPOT_S.get(length, (float("nan"),) * 2)[index]
+            paper = (*PAPER_TPOT_S.get(length, (float("nan"),) * 2), float("nan"))[index]
             rows.append(dict(n=length, method=method, ttft_s=decoded.prefill_s, tpot_s=decoded.tpot_s,
                              paper_tpot_s=paper, peak_gpu_gb=peak, kv_gb=decoded.peak_bytes / 1e9))  # fmt: skip
             report.add(
@@ -144,8 +184,10 @@ def tpot_and_memory(report: Report, args, model) -> dict:
         full, ours = by[length, "full"], by[length, "centroidkv"]
         paper = PAPER_TPOT_S.get(length)
         paper_speedup = f"{paper[0] / paper[1]:.2f}x" if paper else "n/a"
+        stock = by[length, TRANSFORMERS]
         report.add(
-            f"- {length}: TPOT speed-up {full['tpot_s'] / ours['tpot_s']:.2f}x (paper {paper_speedup})"
+            f"- {length}: TPOT speed-up {full['tpot_s'] / ours['tpot_s']:.2f}x (paper {paper_speedup}); "
+            f"this harness's full cache / transformers' own: {full['tpot_s'] / stock['tpot_s']:.2f}x"
         )
     longest = args.lengths[-1]
     report.add(
@@ -156,7 +198,7 @@ def tpot_and_memory(report: Report, args, model) -> dict:
     return dict(rows=rows, weights_gb=weights_gb)
 
 
-def compression_cost(report: Report, args) -> dict:
+def compression_cost(report: Report, args, _model) -> dict:
     from bench_kmeans import correlated_keys
 
     from baselines.kmeans import kmeans_compress
@@ -275,6 +317,15 @@ def fused_paths(report: Report, args, model) -> dict:
     return dict(kernels=results, tpot_by_backend=tpots, length=length)
 
 
+# Each section, in running order: (report, args, model) -> its record in results.json.
+SECTIONS = {
+    "tpot_memory": tpot_and_memory,
+    "compression": compression_cost,
+    "fused_attention": fused_paths,
+    "throughput": throughput,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import load_model
@@ -284,10 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     report.add(f"model {args.model} built in {time.perf_counter() - started:.1f} s\n")
-    report.section("tpot_memory", tpot_and_memory, args, model)
-    report.section("compression", compression_cost, args)
-    report.section("fused_attention", fused_paths, args, model)
-    report.section("throughput", throughput, args, model)
+    for title, fn in SECTIONS.items():
+        if not args.only or title in args.only:
+            report.section(title, fn, args, model)
     failed = [title for title, value in report.data.items() if isinstance(value, dict) and "error" in value]
     report.add(f"sections failed: {', '.join(failed) or 'none'}")
     report.flush()

@@ -13,6 +13,7 @@
 #   scripts/gpu_check.sh [OUTPUT_DIR]            # default OUTPUT_DIR: $OUT or gpu_check_out; it must be
 #                                                # new or empty: earlier results are never replaced
 #   scripts/gpu_check.sh --dry-run [OUTPUT_DIR]  # the same code at tiny sizes on a CPU (tests run this)
+#   scripts/gpu_check.sh OUTPUT_DIR --only tpot_memory   # some sections alone (gpu_check.py --help)
 #
 # Before anything runs, the script checks that every module the check imports is importable and exits
 # with code 2 and the list of what is missing (and how to bring it) otherwise.
@@ -34,6 +35,7 @@ cd "$(dirname "$0")/.."
 DRY_RUN=()
 if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=(--dry-run); shift; fi
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+if [[ $# -gt 0 ]]; then shift; fi  # what follows goes to gpu_check.py (e.g. --only tpot_memory)
 PYTHON="${PYTHON:-$( [[ -x .venv/bin/python && ${#DRY_RUN[@]} -gt 0 ]] && echo .venv/bin/python || echo python3 )}"
 
 # A run never replaces an earlier run's results: the output folder must be new or empty.
@@ -70,5 +72,5 @@ print(f"gpu_check: torch {torch.__version__}, transformers {transformers.__versi
 PY
 
 mkdir -p "$OUT_DIR"
-"$PYTHON" scripts/gpu_check.py --out "$OUT_DIR" "${DRY_RUN[@]}" 2>&1 | tee "$OUT_DIR/log.txt"
+"$PYTHON" scripts/gpu_check.py --out "$OUT_DIR" "${DRY_RUN[@]}" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
 exit "${PIPESTATUS[0]}"

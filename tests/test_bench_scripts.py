@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -60,7 +61,23 @@ def test_gpu_check_dry_run(tmp_path):
     assert "sections failed: none" in summary
     results = json.loads((tmp_path / "results.json").read_text())
     assert all(error < 1e-4 for error in (k["error"] for k in results["fused_attention"]["kernels"]))
+    rows = results["tpot_memory"]["rows"]
+    assert [r["method"] for r in rows[:3]] == ["full", "centroidkv", "transformers"]  # per length
     assert (tmp_path / "log.txt").exists()
+
+
+def test_gpu_check_reference_decode_gives_the_model_back_its_own_attention():
+    """The transformers reference row switches the model to stock SDPA for its decode and back: the
+    rows after it must run with the degree-aware attention again."""
+    import gpu_check
+
+    from centroidkv import load_model
+    from centroidkv.attention import ATTN_IMPLEMENTATION
+
+    model = load_model("tiny-llama")[0]
+    decoded = gpu_check.transformers_decode(model, torch.randint(3, 100, (1, 64)), 4)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert decoded.peak_bytes > 0 and decoded.tpot_s > 0
 
 
 def test_kmeans_error_table_runs_on_the_embedded_model():
