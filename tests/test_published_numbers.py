@@ -39,8 +39,9 @@ PUBLISHED = [
 
 
 def markdown_table(document: Path, after: str) -> list[dict[str, str]]:
-    """The first markdown table after the line that starts with `after`, as rows of header -> cell."""
-    lines = document.read_text().splitlines()
+    """The first markdown table after the line that starts with `after`, as rows of header -> cell
+    (a table indented inside a list item too)."""
+    lines = [line.strip() for line in document.read_text().splitlines()]
     start = next(i for i, line in enumerate(lines) if line.startswith(after))
     first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
     rows = []

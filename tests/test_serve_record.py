@@ -1,0 +1,53 @@
+"""The committed record of the full `make serve-bench` (results/serve_bench.json.gz) against the table
+docs/vllm.md prints from it: every engine's measures follow from its per-step trace, every cell of the
+table from those measures (scripts/serve_bench.py's own formats)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import serve_bench  # noqa: E402
+
+from tests.test_published_numbers import markdown_table  # noqa: E402
+
+RECORD = ROOT / "results" / "serve_bench.json.gz"
+TABLE_AFTER = "- `make serve-bench` (the full workload"
+
+
+def load_record() -> dict:
+    return json.loads(gzip.decompress(RECORD.read_bytes()))
+
+
+def test_the_record_is_the_full_workload():
+    settings = load_record()["settings"]
+    assert not settings["quick"]
+    assert (settings["requests"], settings["prompt_tokens"], settings["new_tokens"]) == (16, 2048, 512)
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_each_engines_measures_follow_from_its_trace(index):
+    record = load_record()
+    row = record["rows"][index]
+    assert serve_bench.measures(row["trace"], record["settings"]["new_tokens"]) == row["measures"]
+
+
+def test_docs_table_is_the_records():
+    rows = load_record()["rows"]
+    published = markdown_table(ROOT / "docs" / "vllm.md", TABLE_AFTER)
+    assert len(published) == len(rows)
+    stock = rows[0]["measures"]
+    for cells, row in zip(published, rows, strict=True):
+        measured = row["measures"]
+        for key, title, fmt in serve_bench.COLUMNS:
+            value = measured[key] * 1000 if key == "tpot_s" else measured[key]
+            assert cells[title] == fmt.format(value), (cells["engine"], title)
+        for key, title in serve_bench.RATIOS:
+            assert cells[title] == f"{measured[key] / stock[key]:.2f}", (cells["engine"], title)
