@@ -134,7 +134,10 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     evaluator = Evaluator(
         model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
     )
-    if cfg.warmup:
+    del model
+    if cfg.workers > 1:  # each worker loads, warms up and runs its own copy: this one would sit idle
+        evaluator.model = None
+    elif cfg.warmup:
         evaluator.warm_up()
     records = {record_key(r): r for r in existing}
     started = time.perf_counter()

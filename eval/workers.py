@@ -2,7 +2,8 @@
 
 Each worker loads the job's model itself, takes one torch thread, and runs every N-th pending sample
 through its own `Evaluator`, exactly as the single process would (greedy decoding: the same records,
-only the timings differ, measured where they ran). The workers send their records back; the parent
+only the timings differ, measured where they ran). The parent's own model (loaded to calibrate) is let
+go before they start, and it never warms up. The workers send their records back; the parent
 keeps every one of them (`keep`: the one writer of records.jsonl, W&B and the progress bar). A worker
 that fails stops the job with its error in one line; the records kept so far stay, and a rerun
 resumes from them.
