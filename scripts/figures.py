@@ -17,12 +17,9 @@ is named here):
   <benchmark>_score_vs_param  average score vs the parameter(s) a method was swept over (r_init,
                             schedule, chunk_size, ...), one panel per swept method, one line per budget.
 
-Every method has one colour and marker, the same in every figure of every experiment, from its
-name alone (`scripts/figure_styles.py`; the full cache is black with a star). Equal points stay
-visible: the score-vs-budget lines are dodged sideways, and in the score-vs-KV figure points at equal
-coordinates are spread a little along x (each figure says which). Titles name the benchmark by its
-report (`Report.title`, e.g. "RULER: ..."). Files are written atomically (a temporary file renamed
-into place), never through a symbolic link.
+A method's colour and marker are the same in every figure (`scripts/figure_styles.py`); equal points
+stay visible (lines dodged sideways, equal coordinates spread along x; each figure says which); titles
+name the benchmark by its report; files are written atomically, never through a symbolic link.
 """
 
 from __future__ import annotations
@@ -479,11 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("paths", nargs="+", type=Path, help="results folders or records.jsonl files")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="one folder for every figure (default: <results>/<experiment>/figures/ for each experiment)",
-    )
+    help_out = "one folder for every figure (default: <results>/<experiment>/figures/ for each experiment)"
+    parser.add_argument("--out", type=Path, help=help_out)
     args = parser.parse_args(argv)
     df = load_or_error(args.paths)
     if isinstance(df, str):
