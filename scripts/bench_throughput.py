@@ -139,19 +139,27 @@ def decode_run(model, ids: torch.Tensor, method, budget: float, new_tokens: int)
     whole_layer = cache.full_kv_bytes() // len(cache.layers)  # one layer's keys and values of the prompt
     # While layer l runs, layers < l are compressed and l holds its whole prompt.
     prefill_peak = max(sum(compressed[:i]) + whole_layer for i in range(len(compressed)))
-    peak = max(cache.kv_capacity_bytes(), prefill_peak)
+    peaks = [cache.kv_capacity_bytes(), prefill_peak]
+    times = timed_steps(
+        model, logits, cache, new_tokens - 1, timer, lambda: peaks.append(cache.kv_capacity_bytes())
+    )
+    tpot = sum(times[1:]) / len(times[1:])
+    return Decoded(max(peaks), ids.shape[0] / tpot, tpot, prefill.seconds)
+
+
+def timed_steps(model, logits, cache, steps: int, timer, after_step=lambda: None) -> list[float]:
+    """`steps` greedy decode steps after the prefill's `logits`, each timed by `timer` (a
+    `centroidkv.timing.Timer`); `after_step()` runs after each one, outside its time."""
     token = logits[:, -1].argmax(-1, keepdim=True)
     times = []
-    for _ in range(new_tokens - 1):
+    for _ in range(steps):
         with timer.span() as step:
             token = (
                 model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
             )
         times.append(step.seconds)
-        peak = max(peak, cache.kv_capacity_bytes())
-    timed = times[1:]
-    tpot = sum(timed) / len(timed)
-    return Decoded(peak, ids.shape[0] / tpot, tpot, prefill.seconds)
+        after_step()
+    return times
 
 
 def throughput_table(args: argparse.Namespace, model=None, tokenizer=None) -> list[Run]:

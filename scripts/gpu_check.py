@@ -120,7 +120,7 @@ def transformers_decode(model, ids: torch.Tensor, new_tokens: int):
     """`bench_throughput.decode_run`'s prefill and greedy steps through transformers' own cache and
     attention (the model's degree-aware attention switched off meanwhile): what a decode step costs
     without this harness, on the same model and machine."""
-    from bench_throughput import Decoded
+    from bench_throughput import Decoded, timed_steps
     from transformers import DynamicCache
 
     from centroidkv.timing import Timer
@@ -128,17 +128,10 @@ def transformers_decode(model, ids: torch.Tensor, new_tokens: int):
     harness_attention = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        cache, timer, times = DynamicCache(config=model.config), Timer(ids.device), []
+        cache, timer = DynamicCache(config=model.config), Timer(ids.device)
         with timer.span() as prefill:
-            token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new_tokens - 1):
-            with timer.span() as step:
-                token = (
-                    model(token, past_key_values=cache, logits_to_keep=1)
-                    .logits[:, -1]
-                    .argmax(-1, keepdim=True)
-                )
-            times.append(step.seconds)
+            logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+        times = timed_steps(model, logits, cache, new_tokens - 1, timer)
     finally:
         model.set_attn_implementation(harness_attention)
     kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
