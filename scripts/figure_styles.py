@@ -20,14 +20,26 @@ from centroidkv.methods import method_class, method_variant
 from scripts.tables import is_reference
 
 MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
-# tab20's strong colours, then their light ones, without its greys (the full cache's): the first 9
-# methods get 9 hues.
+# tab20's strong colours, then their light ones, without its greys (the full cache's): 9 hues.
 COLORS = [matplotlib.colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2)) if i not in (14, 15)]
 # (colour, marker) pairs: both change from one to the next, all distinct (lcm(18, 11) = 198).
 PAIRS = [(COLORS[i % len(COLORS)], MARKERS[i % len(MARKERS)]) for i in range(len(COLORS) * len(MARKERS))]
 FULL_COLORS = ("black", "dimgray", "darkgray")  # full-cache references (several when a row split)
 FULL_MARKER = "*"
-STYLE_SALT = "centroidkv-style:"  # see style_place
+STYLE_SALT = "centroidkv-style:178796:"  # see style_place
+# The style keys (`method_variant`) of the paper's comparison, KIVI as KIVI-2: nine hues and nine
+# markers for nine methods (a strong colour and its light twin read as one hue).
+COMPARED_METHODS = (
+    "centroidkv",
+    "streaming_llm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "cam",
+    "kmeans",
+    "duo_attention",
+    "kivi-int2",
+)
 # How the series of one method differ (its variants, configurations or budgets): the i-th one gets
 # the i-th line style and marker fill, so that even a single point tells them apart.
 LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -37,9 +49,9 @@ FILLSTYLES = ("full", "none", "left", "bottom", "right", "top")
 @functools.cache
 def style_place(name: str) -> int:
     """A method's (or wrapped variant's) place in PAIRS: a stable function of its name alone (a salted
-    SHA-1), so that registering or removing another method never moves it. The salt is the one that
-    gives the built-in methods nine different colours; a later method may share a pair with one of
-    them (1 in 198), and the legend names each."""
+    SHA-1), so that registering or removing another method never moves it. The salt is one that gives
+    `COMPARED_METHODS` nine different hues and markers and CentroidKV a strong colour; another method (a kvpress
+    press) may share a hue or a pair with one of them (a pair: 1 in 198), and the legend names each."""
     return int(hashlib.sha1((STYLE_SALT + name).encode()).hexdigest(), 16) % len(PAIRS)
 
 

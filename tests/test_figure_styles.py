@@ -182,3 +182,18 @@ def test_a_full_length_cache_in_fewer_bits_is_drawn_as_a_method_of_its_own(tmp_p
     kivi = next(line for label, line in lines.items() if label.startswith("KIVI"))
     assert kivi.get_marker() != figure_styles.FULL_MARKER and kivi.get_linestyle() == "-"
     assert figure_styles.method_style("kivi", {"kv_precision": "int2"})["marker"] != figure_styles.FULL_MARKER
+
+
+def test_the_compared_methods_get_nine_hues_and_nine_markers():
+    """A strong tab20 colour and its light twin read as one hue: CentroidKV (brown) and DuoAttention
+    (light brown) looked alike, as did H2O and K-Means (orange, light orange)."""
+    tab20 = [to_rgba(colour) for colour in plt.get_cmap("tab20").colors]
+    runs = [
+        ("kivi", {"kv_precision": "int2"}) if key == "kivi-int2" else (key, {})
+        for key in figure_styles.COMPARED_METHODS
+    ]
+    styles = {name: figure_styles.method_style(name, params) for name, params in runs}
+    places = {name: tab20.index(to_rgba(style["color"])) for name, style in styles.items()}
+    assert len({place // 2 for place in places.values()}) == len(runs), places
+    assert len({style["marker"] for style in styles.values()}) == len(runs), styles
+    assert places["centroidkv"] % 2 == 0  # a strong colour for the method of the paper
