@@ -132,3 +132,45 @@ def batched_degree_attention(
     probs = logits.softmax(dim=-1).view(m, heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
     out = torch.matmul(probs, values).sum(dim=1)  # [M, H, group, D]
     return out.reshape(m, heads * group, dim).to(query.dtype)
+
+
+def kernel_attention(
+    query: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, query_start: Tensor, scale: float
+) -> Tensor:
+    """vLLM's own C++ CPU attention (the `vec` kernel, causal, no log-degrees) over requests' blocks,
+    as the stock backend calls it: the reference `degree_attention` is tested and timed against.
+
+    query [T, Hq, D]; block_table [R, nb] and seq_lens [R] int32; query_start [R + 1] int32."""
+    num_blocks, heads, block_size, two_dim = kv_cache.shape
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens),
+        num_heads=query.shape[1],
+        num_kv_heads=heads,
+        head_dim=two_dim // 2,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=query_start,
+        causal=True,
+        sliding_window_size=-1,
+        isa="vec",
+        enable_kv_split=False,
+    )
+    output = torch.empty_like(query)
+    key_cache, value_cache = split_cache(kv_cache)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=scheduler,
+        s_aux=None,
+    )
+    return output

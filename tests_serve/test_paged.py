@@ -7,7 +7,13 @@ import pytest
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("vllm._custom_ops")
 
-from centroidkv_vllm.paged import degree_attention, read_entries, request_slots, split_cache  # noqa: E402
+from centroidkv_vllm.paged import (  # noqa: E402
+    degree_attention,
+    kernel_attention,
+    read_entries,
+    request_slots,
+    split_cache,
+)
 
 BLOCK = 128
 HEADS, Q_HEADS, DIM = 3, 9, 64  # the embedded model's grouping (3 query heads per KV head) and head dim
@@ -84,37 +90,7 @@ def test_degrees_one_equal_vllm_kernel(t):
     query = torch.randn(t, Q_HEADS, DIM, generator=torch.Generator().manual_seed(4)).bfloat16()
     seq_lens = torch.tensor([length], dtype=torch.int32)
     query_start = torch.tensor([0, t], dtype=torch.int32)
-    scheduler = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1,
-        num_heads=Q_HEADS,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        seq_lens=seq_lens,
-        dtype=torch.bfloat16,
-        query_start_loc=query_start,
-        causal=True,
-        sliding_window_size=-1,
-        isa="vec",
-        enable_kv_split=False,
-    )
-    stock = torch.empty_like(query)
-    key_cache, value_cache = split_cache(kv_cache)
-    ops.cpu_attention_with_kv_cache(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        output=stock,
-        query_start_loc=query_start,
-        seq_lens=seq_lens,
-        scale=SCALE,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=row[None],
-        softcap=0.0,
-        scheduler_metadata=scheduler,
-        s_aux=None,
-    )
+    stock = kernel_attention(query, kv_cache, row[None], seq_lens, query_start, SCALE)
     read_k, read_v = read_entries(kv_cache, slots)
     ours = degree_attention(query, read_k, read_v, torch.zeros(HEADS, length), SCALE)
     error = (ours.float() - stock.float()).abs().max().item()
@@ -140,3 +116,17 @@ def test_batched_decode_attention_equals_one_request_at_a_time():
         keys, values = read_entries(kv_cache, slots)
         one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), SCALE)
         assert (out[token].float() - one[0].float()).abs().max().item() < 1e-2
+
+
+def test_the_attention_benchmark_times_both_on_the_same_blocks(capsys):
+    """scripts/bench_plugin_attention.py: one table row per shape, both times positive; a shape that
+    is not requests:entries is one error line."""
+    from scripts.bench_plugin_attention import main, one_shape
+
+    main(["--shapes", "2:300,3:129", "--repeats", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| 2 x 300", "| 3 x 129"]
+    plugin, kernel = one_shape(2, 300, 2)
+    assert plugin > 0 and kernel > 0
+    with pytest.raises(SystemExit, match="requests:entries"):
+        main(["--shapes", "2:0"])

@@ -1,0 +1,89 @@
+"""The plugin's decode attention against vLLM's own C++ kernel, one layer, side by side in one run.
+
+    .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384]
+
+For each shape (running requests : entries each) both attend one decoding query per request over
+the same random bf16 blocks of 128 slots, on one thread: the plugin's `batched_degree_attention`
+(float32 inside, log-degrees added: what every decoding row of a compressed request runs) and vLLM's
+`vec` kernel (`kernel_attention`: what stock vLLM runs; it has no per-key term). The defaults are the
+rows of `make serve-bench`: the full cache's 4 running requests at prompt + new tokens (2048 + 512),
+and R = 1/4 and 1/8 at their most running requests, each holding R (prompt + new) + g (64) entries.
+Prints the median time of each and their ratio; times one layer (a step runs every layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention, kernel_attention  # noqa: E402
+
+BLOCK = 128
+HEADS, Q_HEADS, DIM = 3, 9, 64  # the embedded model's attention (SmolLM2-135M)
+SCALE = DIM**-0.5
+
+
+def median_ms(action: Callable[[], object], repeats: int) -> float:
+    action()  # one untimed call: allocations and first-use costs
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def one_shape(requests: int, entries: int, repeats: int) -> tuple[float, float]:
+    """(plugin ms, kernel ms) for `requests` decoding rows over `entries` each, log-degrees 0."""
+    gen = torch.Generator().manual_seed(0)
+    per_request = -(-entries // BLOCK)
+    num_blocks = requests * per_request + 1  # block 0 is vLLM's null block
+    kv_cache = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16()
+    log_degree = torch.zeros(num_blocks * BLOCK, HEADS)
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: requests * per_request]
+    table = table.view(requests, per_request).int()
+    query = torch.randn(requests, Q_HEADS, DIM, generator=gen).bfloat16()
+    batch = DecodeBatch.of(table, [(i, i, 0, entries) for i in range(requests)], BLOCK)
+    seq_lens = torch.full((requests,), entries, dtype=torch.int32)
+    query_start = torch.arange(requests + 1, dtype=torch.int32)
+    plugin = median_ms(lambda: batched_degree_attention(query, kv_cache, log_degree, batch, SCALE), repeats)
+    kernel = median_ms(
+        lambda: kernel_attention(query, kv_cache, table, seq_lens, query_start, SCALE), repeats
+    )
+    return plugin, kernel
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(part) for part in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+        raise SystemExit(f"error: --shapes takes requests:entries pairs, e.g. 4:2560,11:704; got {text!r}")
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="4:2560,11:704,16:384", help="requests:entries, comma-separated")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    torch.set_num_threads(1)
+    print("| requests x entries | plugin ms | vLLM kernel ms | plugin / kernel |")
+    print("|---|---:|---:|---:|")
+    for requests, entries in shapes:
+        plugin, kernel = one_shape(requests, entries, args.repeats)
+        print(f"| {requests} x {entries} | {plugin:.2f} | {kernel:.2f} | {plugin / kernel:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
