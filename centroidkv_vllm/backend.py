@@ -7,7 +7,8 @@
   request holds its logical positions [start, length) (`centroidkv_vllm.plan`), new tokens keep their
   logical slots, so vLLM's `slot_mapping` and positions are used as they are;
 - the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
-  hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3)
+  hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3;
+  decoding rows of a bf16 cache by the plugin's own C++ loop, `centroidkv_vllm.compiled`)
   over their entries [start, length): the kernel has no per-key additive term and reads a request
   from position 0. Those rows are handed to the kernel with a length of their query only (its output
   for them is discarded), so it never reads the blocks the scheduler has freed at length cost.
@@ -31,14 +32,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from centroidkv_vllm import SCHEDULER_PATH
+from centroidkv_vllm.compiled import compiled, decode_attention
 from centroidkv_vllm.config import config_of, refusal
-from centroidkv_vllm.paged import (
-    DecodeBatch,
-    batched_degree_attention,
-    degree_attention,
-    read_entries,
-    request_slots,
-)
+from centroidkv_vllm.paged import DecodeBatch, degree_attention, read_entries, request_slots
 from centroidkv_vllm.tracker import LayerCache, Tracker
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -54,6 +50,7 @@ class CentroidMetadata(CPUAttentionMetadata):
 
     merged: tuple[tuple[int, int, int], ...] = ()
     decoding: DecodeBatch | None = None
+    compiled_attention: bool = True
 
 
 class CentroidBuilder(CPUAttentionMetadataBuilder):
@@ -68,6 +65,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
             raise ValueError(line)
         scale = self.head_dim**-0.5
         self.tracker = Tracker(self.config, self.block_size, scale)
+        if self.config.compiled_attention:
+            compiled()  # built (or found in torch's cache) now, not inside the first timed step
         logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
         if str(vllm_config.scheduler_config.scheduler_cls) != SCHEDULER_PATH:
             logger.warning("centroidkv: merged blocks are not freed; pass scheduler_cls=%r", SCHEDULER_PATH)
@@ -114,7 +113,12 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         single = [(i, int(start[i]), s, n) for i, s, n in merged if query_lens[i] == 1]
         decoding = DecodeBatch.of(cm.block_table_tensor, single, self.block_size) if single else None
         others = tuple(row for row in merged if query_lens[row[0]] != 1)
-        return CentroidMetadata(**vars(metadata), merged=others, decoding=decoding)
+        return CentroidMetadata(
+            **vars(metadata),
+            merged=others,
+            decoding=decoding,
+            compiled_attention=self.config.compiled_attention,
+        )
 
 
 class CentroidImpl(CPUAttentionBackendImpl):
@@ -150,8 +154,13 @@ class CentroidImpl(CPUAttentionBackendImpl):
         table = LAYERS[layer.layer_name]
         if decoding is not None:
             rows = decoding.rows
-            output[rows] = batched_degree_attention(
-                query[rows], kv_cache, table.log_degree, decoding, self.scale
+            output[rows] = decode_attention(
+                query[rows],
+                kv_cache,
+                table.log_degree,
+                decoding,
+                self.scale,
+                attn_metadata.compiled_attention,
             )
         block_size = kv_cache.shape[2]
         for index, first, length in merged:

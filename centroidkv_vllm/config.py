@@ -33,6 +33,8 @@ class CentroidConfig:
     # every decoding row through the plugin's float32 attention, not only those holding centroids:
     # a reference for benchmarks (at R = 1, the full cache through the plugin's own attention)
     own_attention: bool = False
+    # decoding rows of a bf16 cache through the C++ loop (centroidkv_vllm.compiled); False: PyTorch's
+    compiled_attention: bool = True
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> CentroidConfig:

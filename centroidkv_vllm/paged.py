@@ -84,6 +84,8 @@ class DecodeBatch:
     rows: Tensor  # [M] query token index of each row
     blocks: Tensor  # [M, nb] block ids
     valid: Tensor  # [M, nb * block_size] bool
+    first: Tensor  # [M] offset of each row's kept start in its first block (int64)
+    held: Tensor  # [M] entries each row holds (int64)
 
     @classmethod
     def of(cls, block_table: Tensor, rows: list[tuple[int, int, int, int]], block_size: int) -> DecodeBatch:
@@ -98,7 +100,9 @@ class DecodeBatch:
             offset = start - f * block_size
             valid[m, offset : offset + length - start] = True
         tokens = torch.tensor([token for _, token, _, _ in rows], dtype=torch.long)
-        return cls(tokens, blocks, valid)
+        first_offsets = torch.tensor([start % block_size for _, _, start, _ in rows], dtype=torch.long)
+        held = torch.tensor([length - start for _, _, start, length in rows], dtype=torch.long)
+        return cls(tokens, blocks, valid, first_offsets, held)
 
 
 def gather_blocks(kv_cache: Tensor, log_degree: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:

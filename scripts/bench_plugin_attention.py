@@ -2,10 +2,12 @@
 
     .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384]
 
-For each shape (running requests : entries each) both attend one decoding query per request over
-the same random bf16 blocks of 128 slots, on one thread: the plugin's `batched_degree_attention`
-(float32 inside, log-degrees added: what every decoding row of a compressed request runs) and vLLM's
-`vec` kernel (`kernel_attention`: what stock vLLM runs; it has no per-key term). The defaults are the
+For each shape (running requests : entries each) all attend one decoding query per request over
+the same random bf16 blocks of 128 slots, on one thread: the plugin's decode attention (float32
+inside, log-degrees added: what every decoding row of a compressed request runs) in PyTorch
+(`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
+first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
+per-key term). The defaults are the
 rows of `make serve-bench`: the full cache's 4 running requests at prompt + new tokens (2048 + 512),
 and R = 1/4 and 1/8 at their most running requests, each holding R (prompt + new) + g (64) entries.
 Prints the median time of each and their ratio; times one layer (a step runs every layer).
@@ -24,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention, kernel_attention  # noqa: E402
+from centroidkv_vllm.compiled import compiled, decode_attention  # noqa: E402
+from centroidkv_vllm.paged import DecodeBatch, kernel_attention  # noqa: E402
 
 BLOCK = 128
 HEADS, Q_HEADS, DIM = 3, 9, 64  # the embedded model's attention (SmolLM2-135M)
@@ -41,8 +44,9 @@ def median_ms(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def one_shape(requests: int, entries: int, repeats: int) -> tuple[float, float]:
-    """(plugin ms, kernel ms) for `requests` decoding rows over `entries` each, log-degrees 0."""
+def one_shape(requests: int, entries: int, repeats: int) -> tuple[float, float, float]:
+    """(PyTorch ms, C++ loop ms, vLLM kernel ms) for `requests` decoding rows over `entries` each,
+    log-degrees 0."""
     gen = torch.Generator().manual_seed(0)
     per_request = -(-entries // BLOCK)
     num_blocks = requests * per_request + 1  # block 0 is vLLM's null block
@@ -54,11 +58,14 @@ def one_shape(requests: int, entries: int, repeats: int) -> tuple[float, float]:
     batch = DecodeBatch.of(table, [(i, i, 0, entries) for i in range(requests)], BLOCK)
     seq_lens = torch.full((requests,), entries, dtype=torch.int32)
     query_start = torch.arange(requests + 1, dtype=torch.int32)
-    plugin = median_ms(lambda: batched_degree_attention(query, kv_cache, log_degree, batch, SCALE), repeats)
+    pytorch, loop = (
+        median_ms(lambda use=use: decode_attention(query, kv_cache, log_degree, batch, SCALE, use), repeats)
+        for use in (False, True)
+    )
     kernel = median_ms(
         lambda: kernel_attention(query, kv_cache, table, seq_lens, query_start, SCALE), repeats
     )
-    return plugin, kernel
+    return pytorch, loop, kernel
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -78,11 +85,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     torch.set_num_threads(1)
-    print("| requests x entries | plugin ms | vLLM kernel ms | plugin / kernel |")
-    print("|---|---:|---:|---:|")
+    if compiled() is None:
+        raise SystemExit("error: the C++ decode attention could not be built here (see the warning above)")
+    print(
+        "| requests x entries | PyTorch ms | C++ loop ms | vLLM kernel ms | PyTorch / loop | loop / kernel |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for requests, entries in shapes:
-        plugin, kernel = one_shape(requests, entries, args.repeats)
-        print(f"| {requests} x {entries} | {plugin:.2f} | {kernel:.2f} | {plugin / kernel:.1f} |")
+        pytorch, loop, kernel = one_shape(requests, entries, args.repeats)
+        print(
+            f"| {requests} x {entries} | {pytorch:.2f} | {loop:.2f} | {kernel:.2f} "
+            f"| {pytorch / loop:.1f} | {loop / kernel:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""The decode attention of compressed requests compiled from C++ (`degree_decode.cpp`), PyTorch's as
+the fallback.
+
+`batched_degree_attention` gathers a batch's blocks into float32 tensors before two matmuls; on a CPU
+that copy costs about as much as the attention (scripts/bench_plugin_attention.py). The C++ loop
+computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
+them. It is built once per machine by torch's extension loader (about 40 s, cached under
+~/.cache/torch_extensions); where no compiler is found the plugin logs one warning and keeps the
+PyTorch path. Other cache dtypes (float32, float16) always take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention
+
+logger = logging.getLogger("vllm.centroidkv")
+SOURCE = Path(__file__).with_name("degree_decode.cpp")
+
+
+@functools.cache
+def compiled() -> ModuleType | None:
+    """The built extension, None (after one warning) when it cannot be built here."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load("centroidkv_degree_decode", [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
+    except Exception as error:  # no compiler, no ninja, a build error: the PyTorch path still works
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logger.warning("centroidkv: the C++ decode attention was not built (%s); using PyTorch's", message)
+        return None
+
+
+def decode_attention(
+    query: Tensor, kv_cache: Tensor, log_degree: Tensor, batch: DecodeBatch, scale: float, use_compiled: bool
+) -> Tensor:
+    """`batched_degree_attention`'s result, by the C++ loop for a bf16 cache when `use_compiled` and
+    it is built, else by PyTorch."""
+    module = compiled() if use_compiled and kv_cache.dtype == torch.bfloat16 else None
+    if module is None:
+        return batched_degree_attention(query, kv_cache, log_degree, batch, scale)
+    num_blocks, heads, block_size, two_dim = kv_cache.shape
+    blocks = kv_cache.view(num_blocks, heads, 2, block_size * (two_dim // 2))
+    out = module.degree_decode(
+        query.float().contiguous(), blocks, log_degree, batch.blocks, batch.first, batch.held, scale
+    )
+    return out.to(query.dtype)
