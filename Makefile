@@ -82,15 +82,20 @@ $(SERVE_STAMP): pyproject.toml
 # The plugin's own tests, in the serving venv: all of them (`make test` leaves out those marked slow).
 # The plugin serves the embedded model as the harness converts it (GGUF -> a transformers folder).
 CONVERT_EMBEDDED = $(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
+# The plugin's C++ decode loop, built before the engines start (about 40 s once, then cached by torch;
+# without a compiler: one warning, and the plugin keeps its PyTorch attention).
+BUILD_DECODE_LOOP = $(SERVE_BIN)/python -c "from centroidkv_vllm.compiled import compiled; compiled()"
 
 serve-test: $(STAMP) $(SERVE_STAMP)
 	$(CONVERT_EMBEDDED)
+	$(BUILD_DECODE_LOOP)
 	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve $(SERVE_TESTS)
 
 # Stock vLLM against the plugin at R = 1/2, 1/4, 1/8 at equal KV memory (scripts/serve_bench.py);
 # ARGS=--quick: 8 requests of 1024 + 256 tokens in a pool of 2 full-cache requests.
 serve-bench: $(STAMP) $(SERVE_STAMP)
 	$(CONVERT_EMBEDDED)
+	$(BUILD_DECODE_LOOP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(SERVE_BIN)/python scripts/serve_bench.py $(ARGS)
 
 clean-serve-venv:

@@ -4,7 +4,7 @@ the fallback.
 `batched_degree_attention` gathers a batch's blocks into float32 tensors before two matmuls; on a CPU
 that copy costs about as much as the attention (scripts/bench_plugin_attention.py). The C++ loop
 computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
-them. It is built once per machine by torch's extension loader (about 40 s, cached under
+them. It is built once per checkout by torch's extension loader (about 40 s, cached under
 ~/.cache/torch_extensions); where no compiler is found the plugin logs one warning and keeps the
 PyTorch path. Other cache dtypes (float32, float16) always take the PyTorch path.
 """
@@ -12,6 +12,7 @@ PyTorch path. Other cache dtypes (float32, float16) always take the PyTorch path
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -30,8 +31,10 @@ def compiled() -> ModuleType | None:
     """The built extension, None (after one warning) when it cannot be built here."""
     from torch.utils.cpp_extension import load
 
+    # one build folder per checkout: torch rebuilds a name whose source path changed
+    name = "centroidkv_degree_decode_" + hashlib.sha1(str(SOURCE).encode()).hexdigest()[:10]
     try:
-        return load("centroidkv_degree_decode", [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
+        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
     except Exception as error:  # no compiler, no ninja, a build error: the PyTorch path still works
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         logger.warning("centroidkv: the C++ decode attention was not built (%s); using PyTorch's", message)
