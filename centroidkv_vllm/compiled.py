@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from centroidkv.errors import first_line
 from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -36,8 +37,9 @@ def compiled() -> ModuleType | None:
     try:
         return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
     except Exception as error:  # no compiler, no ninja, a build error: the PyTorch path still works
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        logger.warning("centroidkv: the C++ decode attention was not built (%s); using PyTorch's", message)
+        logger.warning(
+            "centroidkv: the C++ decode attention was not built (%s); using PyTorch's", first_line(error)
+        )
         return None
 
 

@@ -21,7 +21,12 @@ static inline float bf16_to_float(uint16_t bits) {
 torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor log_degree,
                             torch::Tensor blocks, torch::Tensor first, torch::Tensor held, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(blocks.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
+              held.scalar_type() == torch::kLong);
   TORCH_CHECK(query.is_contiguous() && cache.is_contiguous() && log_degree.is_contiguous());
+  // held here: a non-contiguous argument's contiguous copy must outlive the pointers into it
+  const torch::Tensor table_rows = blocks.contiguous(), first_rows = first.contiguous(),
+                      held_rows = held.contiguous();
   const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(2);
   const int64_t heads = cache.size(1), block_size = cache.size(3) / dim, width = blocks.size(1);
   const int64_t group = q_heads / heads;
@@ -29,9 +34,9 @@ torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Ten
   const float* q = query.data_ptr<float>();
   const auto* kv = reinterpret_cast<const uint16_t*>(cache.data_ptr<at::BFloat16>());
   const float* degree = log_degree.data_ptr<float>();
-  const int64_t* table = blocks.contiguous().data_ptr<int64_t>();
-  const int64_t* offsets = first.contiguous().data_ptr<int64_t>();
-  const int64_t* counts = held.contiguous().data_ptr<int64_t>();
+  const int64_t* table = table_rows.data_ptr<int64_t>();
+  const int64_t* offsets = first_rows.data_ptr<int64_t>();
+  const int64_t* counts = held_rows.data_ptr<int64_t>();
   float* out = output.data_ptr<float>();
   std::vector<float> logits(group * width * block_size), key_row(block_size), value_row(dim);
   for (int64_t m = 0; m < rows; ++m) {

@@ -78,12 +78,11 @@ class DecodeBatch:
     """The decoding rows (one query token) of requests that hold centroids, gathered by whole blocks.
 
     blocks [M, nb]: each row's blocks from the one holding its kept start (padded with the null
-    block); valid [M, nb * block_size]: the positions [start % block_size, ... + held) of each row.
+    block); a row's entries are its positions [first, first + held) in those blocks.
     """
 
     rows: Tensor  # [M] query token index of each row
     blocks: Tensor  # [M, nb] block ids
-    valid: Tensor  # [M, nb * block_size] bool
     first: Tensor  # [M] offset of each row's kept start in its first block (int64)
     held: Tensor  # [M] entries each row holds (int64)
 
@@ -92,17 +91,18 @@ class DecodeBatch:
         """rows: (batch index, query token index, kept start, length) of each decoding row."""
         first = [start // block_size for _, _, start, _ in rows]
         count = [-(-length // block_size) - f for (_, _, _, length), f in zip(rows, first)]
-        width = max(count)
-        blocks = torch.zeros(len(rows), width, dtype=torch.long)
-        valid = torch.zeros(len(rows), width * block_size, dtype=torch.bool)
-        for m, ((index, _, start, length), f, n) in enumerate(zip(rows, first, count)):
+        blocks = torch.zeros(len(rows), max(count), dtype=torch.long)
+        for m, ((index, _, _, _), f, n) in enumerate(zip(rows, first, count)):
             blocks[m, :n] = block_table[index, f : f + n].long()
-            offset = start - f * block_size
-            valid[m, offset : offset + length - start] = True
         tokens = torch.tensor([token for _, token, _, _ in rows], dtype=torch.long)
         first_offsets = torch.tensor([start % block_size for _, _, start, _ in rows], dtype=torch.long)
         held = torch.tensor([length - start for _, _, start, length in rows], dtype=torch.long)
-        return cls(tokens, blocks, valid, first_offsets, held)
+        return cls(tokens, blocks, first_offsets, held)
+
+    def valid(self, block_size: int) -> Tensor:
+        """[M, nb * block_size] bool: the positions of each row's entries in its gathered blocks."""
+        positions = torch.arange(self.blocks.shape[1] * block_size)
+        return (positions >= self.first[:, None]) & (positions < (self.first + self.held)[:, None])
 
 
 def gather_blocks(kv_cache: Tensor, log_degree: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -132,7 +132,7 @@ def batched_degree_attention(
     logits = torch.matmul(q, keys).mul_(scale)  # [M, nb, H, group, bs]
     logits = logits.permute(0, 2, 3, 1, 4).reshape(m, heads, group, nb * block_size)
     logits += degree.unsqueeze(2)
-    logits.masked_fill_(~batch.valid.view(m, 1, 1, -1), float("-inf"))
+    logits.masked_fill_(~batch.valid(block_size).view(m, 1, 1, -1), float("-inf"))
     probs = logits.softmax(dim=-1).view(m, heads, group, nb, block_size).permute(0, 3, 1, 2, 4)
     out = torch.matmul(probs, values).sum(dim=1)  # [M, H, group, D]
     return out.reshape(m, heads * group, dim).to(query.dtype)

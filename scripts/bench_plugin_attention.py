@@ -7,10 +7,10 @@ the same random bf16 blocks of 128 slots, on one thread: the plugin's decode att
 inside, log-degrees added: what every decoding row of a compressed request runs) in PyTorch
 (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
 first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
-per-key term). The defaults are the
-rows of `make serve-bench`: the full cache's 4 running requests at prompt + new tokens (2048 + 512),
-and R = 1/4 and 1/8 at their most running requests, each holding R (prompt + new) + g (64) entries.
-Prints the median time of each and their ratio; times one layer (a step runs every layer).
+per-key term). The defaults are the rows of `make serve-bench`: the full cache's 4 running requests
+at prompt + new tokens (2048 + 512), and R = 1/4 and 1/8 at their most running requests, each holding
+R (prompt + new) + g (64) entries. Prints the median time of each and their ratios; times one layer
+(a step runs every layer).
 """
 
 from __future__ import annotations

@@ -50,8 +50,9 @@ FILLSTYLES = ("full", "none", "left", "bottom", "right", "top")
 def style_place(name: str) -> int:
     """A method's (or wrapped variant's) place in PAIRS: a stable function of its name alone (a salted
     SHA-1), so that registering or removing another method never moves it. The salt is one that gives
-    `COMPARED_METHODS` nine different hues and markers and CentroidKV a strong colour; another method (a kvpress
-    press) may share a hue or a pair with one of them (a pair: 1 in 198), and the legend names each."""
+    `COMPARED_METHODS` nine different hues and markers and CentroidKV a strong colour; another method
+    (a kvpress press) may share a hue or a pair with one of them (a pair: 1 in 198), and the legend
+    names each."""
     return int(hashlib.sha1((STYLE_SALT + name).encode()).hexdigest(), 16) % len(PAIRS)
 
 
