@@ -4,9 +4,10 @@ the fallback.
 `batched_degree_attention` gathers a batch's blocks into float32 tensors before two matmuls; on a CPU
 that copy costs about as much as the attention (scripts/bench_plugin_attention.py). The C++ loop
 computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
-them. It is built once per checkout by torch's extension loader (about 40 s, cached under
-~/.cache/torch_extensions); where no compiler is found the plugin logs one warning and keeps the
-PyTorch path. Other cache dtypes (float32, float16) always take the PyTorch path.
+them, 16 lanes at a time. It is built once per checkout by torch's extension loader (about 40 s,
+cached under ~/.cache/torch_extensions); where no compiler is found the plugin logs one warning and
+keeps the PyTorch path. Other cache dtypes (float32, float16), and head dims or block sizes that are
+not multiples of 16, always take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def compiled() -> ModuleType | None:
     # one build folder per checkout: torch rebuilds a name whose source path changed
     name = "centroidkv_degree_decode_" + hashlib.sha1(str(SOURCE).encode()).hexdigest()[:10]
     try:
-        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
+        # -ffast-math for the compile only (so no process-wide float mode is linked in): it lets the
+        # softmax's exp run vectorised (glibc's libmvec); the loop relies on no infinity or NaN
+        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math"])
     except Exception as error:  # no compiler, no ninja, a build error: the PyTorch path still works
         logger.warning(
             "centroidkv: the C++ decode attention was not built (%s); using PyTorch's", first_line(error)
@@ -48,10 +51,10 @@ def decode_attention(
 ) -> Tensor:
     """`batched_degree_attention`'s result, by the C++ loop for a bf16 cache when `use_compiled` and
     it is built, else by PyTorch."""
-    module = compiled() if use_compiled and kv_cache.dtype == torch.bfloat16 else None
-    if module is None:
-        return batched_degree_attention(query, kv_cache, log_degree, batch, scale)
     num_blocks, heads, block_size, two_dim = kv_cache.shape
+    module = compiled() if use_compiled and kv_cache.dtype == torch.bfloat16 else None
+    if module is None or block_size % module.LANES or (two_dim // 2) % module.LANES:
+        return batched_degree_attention(query, kv_cache, log_degree, batch, scale)
     blocks = kv_cache.view(num_blocks, heads, 2, block_size * (two_dim // 2))
     out = module.degree_decode(
         query.float().contiguous(), blocks, log_degree, batch.blocks, batch.first, batch.held, scale

@@ -1,6 +1,10 @@
 // softmax(scale q.k + log n) v for one decoding query per request, read in place from vLLM's paged
 // CPU cache (bf16, the `vec` layout of centroidkv_vllm/paged.py): the loop `batched_degree_attention`
 // runs in PyTorch, without gathering the blocks or converting them to float32 first. float32 inside.
+//
+// 16 floats at a time in GCC/Clang vector types (one AVX-512 register; the compiler splits them where
+// the machine's registers are narrower), the query heads that share a KV head up to 8 at a time, so
+// that their sums stay in registers while each key or value is loaded once.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -8,16 +12,99 @@
 #include <cstring>
 #include <vector>
 
-static inline float bf16_to_float(uint16_t bits) {
-  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxGroup = 8;
+typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+static inline Floats load_bf16(const uint16_t* source) {  // a bf16 is the upper half of a float32
+  Halves bits;
+  std::memcpy(&bits, source, sizeof bits);
+  const Words widened = __builtin_convertvector(bits, Words) << 16;
+  Floats value;
   std::memcpy(&value, &widened, sizeof value);
   return value;
 }
 
-// query [M, Hq, D] float32; cache [num_blocks, H, 2, block_size * D] bf16 (a block's keys [D, bs],
-// then its values [bs, D]); log_degree [num_blocks * block_size, H] float32; blocks [M, nb] int64;
-// first [M]: the offset of a row's first entry in its first block; held [M]: its entries.
+// logits[g][t] = q_g . k_t for one block's keys, stored [D, block_size]
+template <int G>
+static void key_logits(const uint16_t* keys, const float* queries, int64_t dim, int64_t block_size,
+                       float* logits, int64_t stride) {
+  for (int64_t t = 0; t < block_size; t += kLanes) {
+    Floats sums[G] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      const Floats key = load_bf16(keys + d * block_size + t);
+      for (int g = 0; g < G; ++g) sums[g] += queries[g * dim + d] * key;
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(logits + g * stride + t, &sums[g], sizeof(Floats));
+  }
+}
+
+// out[g] += sum over t in [lo, hi) of probs[g][t] v_t for one block's values, stored [block_size, D]
+template <int G>
+static void add_values(const uint16_t* values, const float* probs, int64_t stride, int64_t lo,
+                       int64_t hi, int64_t dim, float* out) {
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    Floats sums[G];
+    for (int g = 0; g < G; ++g) std::memcpy(&sums[g], out + g * dim + d, sizeof(Floats));
+    for (int64_t t = lo; t < hi; ++t) {
+      const Floats value = load_bf16(values + t * dim + d);
+      for (int g = 0; g < G; ++g) sums[g] += probs[g * stride + t] * value;
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(out + g * dim + d, &sums[g], sizeof(Floats));
+  }
+}
+
+using KeyLogits = void (*)(const uint16_t*, const float*, int64_t, int64_t, float*, int64_t);
+using AddValues = void (*)(const uint16_t*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+static constexpr KeyLogits kKeyLogits[kMaxGroup] = {key_logits<1>, key_logits<2>, key_logits<3>, key_logits<4>,
+                                                    key_logits<5>, key_logits<6>, key_logits<7>, key_logits<8>};
+static constexpr AddValues kAddValues[kMaxGroup] = {add_values<1>, add_values<2>, add_values<3>, add_values<4>,
+                                                    add_values<5>, add_values<6>, add_values<7>, add_values<8>};
+
+// softmax over [begin, end) of scale * logits + bias, in place
+static void softmax(float* logits, const float* bias, int64_t begin, int64_t end, float scale) {
+  float largest = logits[begin] * scale + bias[begin];
+  for (int64_t j = begin; j < end; ++j) largest = std::max(largest, logits[j] = logits[j] * scale + bias[j]);
+  float total = 0.f;
+  for (int64_t j = begin; j < end; ++j) total += (logits[j] = std::exp(logits[j] - largest));
+  const float inverse = 1.f / total;
+  for (int64_t j = begin; j < end; ++j) logits[j] *= inverse;
+}
+
+struct Layout {
+  const uint16_t* kv;      // [num_blocks, H, 2, block_size * D]: a block's keys [D, bs], then values [bs, D]
+  const float* degree;     // [num_blocks * block_size, H]
+  int64_t heads, group, dim, block_size;
+};
+
+// one KV head of one request: its `group` query heads over the entries [begin, end) of `row_blocks`
+static void attend(const Layout& at, const int64_t* row_blocks, int64_t begin, int64_t end, int64_t h,
+                   const float* queries, float scale, float* out, std::vector<float>& logits,
+                   std::vector<float>& bias) {
+  const int64_t bs = at.block_size, used = (end + bs - 1) / bs, span = used * bs;
+  for (int64_t b = 0; b < used; ++b) {
+    const int64_t block = row_blocks[b];
+    const uint16_t* keys = at.kv + (block * at.heads + h) * 2 * bs * at.dim;
+    for (int64_t t = 0; t < bs; ++t) bias[b * bs + t] = at.degree[(block * bs + t) * at.heads + h];
+    for (int64_t g = 0; g < at.group; g += kMaxGroup)
+      kKeyLogits[std::min(at.group - g, kMaxGroup) - 1](keys, queries + g * at.dim, at.dim, bs,
+                                                         logits.data() + g * span + b * bs, span);
+  }
+  for (int64_t g = 0; g < at.group; ++g) softmax(logits.data() + g * span, bias.data(), begin, end, scale);
+  for (int64_t b = 0; b < used; ++b) {
+    const uint16_t* values = at.kv + ((row_blocks[b] * at.heads + h) * 2 + 1) * bs * at.dim;
+    const int64_t lo = std::max(begin - b * bs, int64_t{0}), hi = std::min(end - b * bs, bs);
+    for (int64_t g = 0; g < at.group; g += kMaxGroup)
+      kAddValues[std::min(at.group - g, kMaxGroup) - 1](values, logits.data() + g * span + b * bs, span,
+                                                         lo, hi, at.dim, out + g * at.dim);
+  }
+}
+
+// query [M, Hq, D] float32; cache [num_blocks, H, 2, block_size * D] bf16; log_degree
+// [num_blocks * block_size, H] float32; blocks [M, nb] int64; first [M]: the offset of a row's first
+// entry in its first block; held [M]: its entries. D and block_size: multiples of 16.
 torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor log_degree,
                             torch::Tensor blocks, torch::Tensor first, torch::Tensor held, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kBFloat16);
@@ -29,59 +116,26 @@ torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Ten
                       held_rows = held.contiguous();
   const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(2);
   const int64_t heads = cache.size(1), block_size = cache.size(3) / dim, width = blocks.size(1);
-  const int64_t group = q_heads / heads;
+  TORCH_CHECK(dim % kLanes == 0 && block_size % kLanes == 0, "head dim and block size: multiples of 16");
+  const Layout layout{reinterpret_cast<const uint16_t*>(cache.data_ptr<at::BFloat16>()),
+                      log_degree.data_ptr<float>(), heads, q_heads / heads, dim, block_size};
   auto output = torch::zeros({rows, q_heads, dim}, torch::kFloat32);
-  const float* q = query.data_ptr<float>();
-  const auto* kv = reinterpret_cast<const uint16_t*>(cache.data_ptr<at::BFloat16>());
-  const float* degree = log_degree.data_ptr<float>();
   const int64_t* table = table_rows.data_ptr<int64_t>();
   const int64_t* offsets = first_rows.data_ptr<int64_t>();
   const int64_t* counts = held_rows.data_ptr<int64_t>();
-  float* out = output.data_ptr<float>();
-  std::vector<float> logits(group * width * block_size), key_row(block_size), value_row(dim);
+  std::vector<float> logits(layout.group * width * block_size), bias(width * block_size);
   for (int64_t m = 0; m < rows; ++m) {
-    const int64_t begin = offsets[m], end = offsets[m] + counts[m];
-    const int64_t used = (end + block_size - 1) / block_size;
-    const int64_t* row_blocks = table + m * width;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* q_group = q + (m * q_heads + h * group) * dim;
-      std::fill(logits.begin(), logits.end(), 0.f);
-      for (int64_t b = 0; b < used; ++b) {  // q.k, block by block, in the keys' stored [D, bs] layout
-        const uint16_t* keys = kv + (row_blocks[b] * heads + h) * 2 * block_size * dim;
-        for (int64_t d = 0; d < dim; ++d) {
-          for (int64_t t = 0; t < block_size; ++t) key_row[t] = bf16_to_float(keys[d * block_size + t]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float q_d = q_group[g * dim + d];
-            float* target = logits.data() + (g * width + b) * block_size;
-            for (int64_t t = 0; t < block_size; ++t) target[t] += q_d * key_row[t];
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {  // + log n, softmax over the row's entries only
-        float* row_logits = logits.data() + g * width * block_size;
-        float largest = -INFINITY;
-        for (int64_t j = begin; j < end; ++j) {
-          const int64_t slot = row_blocks[j / block_size] * block_size + j % block_size;
-          row_logits[j] = row_logits[j] * static_cast<float>(scale) + degree[slot * heads + h];
-          largest = std::max(largest, row_logits[j]);
-        }
-        float total = 0.f;
-        for (int64_t j = begin; j < end; ++j) total += (row_logits[j] = std::exp(row_logits[j] - largest));
-        for (int64_t j = begin; j < end; ++j) row_logits[j] /= total;
-      }
-      for (int64_t j = begin; j < end; ++j) {  // probabilities times values
-        const uint16_t* values =
-            kv + ((row_blocks[j / block_size] * heads + h) * 2 + 1) * block_size * dim + (j % block_size) * dim;
-        for (int64_t d = 0; d < dim; ++d) value_row[d] = bf16_to_float(values[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = logits[g * width * block_size + j];
-          float* target = out + (m * q_heads + h * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) target[d] += p * value_row[d];
-        }
-      }
+      const int64_t head_row = m * q_heads + h * layout.group;
+      attend(layout, table + m * width, offsets[m], offsets[m] + counts[m], h,
+             query.data_ptr<float>() + head_row * dim, static_cast<float>(scale),
+             output.data_ptr<float>() + head_row * dim, logits, bias);
     }
   }
   return output;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("degree_decode", &degree_decode); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("degree_decode", &degree_decode);
+  m.attr("LANES") = kLanes;  // decode_attention sends other head dims and block sizes to PyTorch
+}

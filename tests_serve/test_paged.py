@@ -100,10 +100,16 @@ def test_degrees_one_equal_vllm_kernel(t):
 
 
 @pytest.mark.parametrize("use_compiled", [False, True], ids=["pytorch", "compiled"])
-def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled):
+@pytest.mark.parametrize(
+    "heads,q_heads,dim",
+    [(HEADS, Q_HEADS, DIM), (1, 10, 128), (2, 2, 80)],
+    ids=["smollm2", "group-10-dim-128", "group-1-dim-80"],
+)
+def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, heads, q_heads, dim):
     """Rows that hold centroids and decode one token are attended together, by whole blocks from the
     one holding each kept start; each must equal `degree_attention` over its own entries, by PyTorch
-    and by the C++ loop (built here unless the machine has no C++ compiler)."""
+    and by the C++ loop (built here unless the machine has no C++ compiler), whose query heads per KV
+    head go 8 at a time (10: two passes) over head dims of 16-lane steps."""
     from centroidkv_vllm.compiled import compiled, decode_attention
     from centroidkv_vllm.paged import DecodeBatch
 
@@ -114,17 +120,18 @@ def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled):
 
     gen = torch.Generator().manual_seed(5)
     num_blocks = 40
-    kv_cache = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16()
-    log_degree = torch.rand(num_blocks * BLOCK, HEADS, generator=gen)
+    kv_cache = torch.randn(num_blocks, heads, BLOCK, 2 * dim, generator=gen).bfloat16()
+    log_degree = torch.rand(num_blocks * BLOCK, heads, generator=gen)
     table = torch.randperm(num_blocks - 1, generator=gen)[:24].view(3, 8).int() + 1
     rows = [(0, 0, 0, 300), (1, 1, 200, 517), (2, 2, 700, 1001)]  # (row, token, kept start, length)
-    query = torch.randn(3, Q_HEADS, DIM, generator=gen).bfloat16()
+    query = torch.randn(3, q_heads, dim, generator=gen).bfloat16()
     batch = DecodeBatch.of(table, rows, BLOCK)
-    out = decode_attention(query, kv_cache, log_degree, batch, SCALE, use_compiled)
+    scale = dim**-0.5
+    out = decode_attention(query, kv_cache, log_degree, batch, scale, use_compiled)
     for index, token, start, length in rows:
         slots = request_slots(table[index], start, length, BLOCK)
         keys, values = read_entries(kv_cache, slots)
-        one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), SCALE)
+        one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), scale)
         assert (out[token].float() - one[0].float()).abs().max().item() < 1e-2
 
 
