@@ -4,9 +4,9 @@ the fallback.
 `batched_degree_attention` gathers a batch's blocks into float32 tensors before two matmuls; on a CPU
 that copy costs about as much as the attention (scripts/bench_plugin_attention.py). The C++ loop
 computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
-them, 16 lanes at a time. It is built once per checkout by torch's extension loader (about 40 s,
-cached under ~/.cache/torch_extensions); where no compiler is found the plugin logs one warning and
-keeps the PyTorch path. Other cache dtypes (float32, float16), and head dims or block sizes that are
+them, 16 lanes at a time, its (request, KV head) pairs over torch's threads. It is built once per
+checkout by torch's extension loader (about 40 s, cached under ~/.cache/torch_extensions); where no
+compiler is found the plugin logs one warning and keeps the PyTorch path. Other cache dtypes (float32, float16), and head dims or block sizes that are
 not multiples of 16, always take the PyTorch path.
 """
 
@@ -37,8 +37,10 @@ def compiled() -> ModuleType | None:
     name = "centroidkv_degree_decode_" + hashlib.sha1(str(SOURCE).encode()).hexdigest()[:10]
     try:
         # -ffast-math for the compile only (so no process-wide float mode is linked in): it lets the
-        # softmax's exp run vectorised (glibc's libmvec); the loop relies on no infinity or NaN
-        return load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math"])
+        # softmax's exp run vectorised (glibc's libmvec); the loop relies on no infinity or NaN.
+        # -fopenmp: at::parallel_for is OpenMP inline; libgomp.so.1 resolves to the one torch loaded
+        flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+        return load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a build error: the PyTorch path still works
         logger.warning(
             "centroidkv: the C++ decode attention was not built (%s); using PyTorch's", first_line(error)

@@ -5,6 +5,7 @@
 // 16 floats at a time in GCC/Clang vector types (one AVX-512 register; the compiler splits them where
 // the machine's registers are narrower), the query heads that share a KV head up to 8 at a time, so
 // that their sums stay in registers while each key or value is loaded once.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -123,15 +124,17 @@ torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Ten
   const int64_t* table = table_rows.data_ptr<int64_t>();
   const int64_t* offsets = first_rows.data_ptr<int64_t>();
   const int64_t* counts = held_rows.data_ptr<int64_t>();
-  std::vector<float> logits(layout.group * width * block_size), bias(width * block_size);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t head_row = m * q_heads + h * layout.group;
-      attend(layout, table + m * width, offsets[m], offsets[m] + counts[m], h,
-             query.data_ptr<float>() + head_row * dim, static_cast<float>(scale),
-             output.data_ptr<float>() + head_row * dim, logits, bias);
+  const float* queries = query.data_ptr<float>();
+  float* out = output.data_ptr<float>();
+  // (request, KV head) pairs over torch's intra-op threads (the engine's); each writes its own rows
+  at::parallel_for(0, rows * heads, 1, [&](int64_t first_pair, int64_t end_pair) {
+    std::vector<float> logits(layout.group * width * block_size), bias(width * block_size);
+    for (int64_t pair = first_pair; pair < end_pair; ++pair) {
+      const int64_t m = pair / heads, h = pair % heads, head_row = m * q_heads + h * layout.group;
+      attend(layout, table + m * width, offsets[m], offsets[m] + counts[m], h, queries + head_row * dim,
+             static_cast<float>(scale), out + head_row * dim, logits, bias);
     }
-  }
+  });
   return output;
 }
 

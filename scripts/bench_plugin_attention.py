@@ -1,10 +1,10 @@
 """The plugin's decode attention against vLLM's own C++ kernel, one layer, side by side in one run.
 
-    .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384]
+    .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384] [--threads 1]
 
 For each shape (running requests : entries each) all attend one decoding query per request over
-the same random bf16 blocks of 128 slots, on one thread: the plugin's decode attention (float32
-inside, log-degrees added: what every decoding row of a compressed request runs) in PyTorch
+the same random bf16 blocks of 128 slots, on one thread (`--threads`: more): the plugin's decode
+attention (float32 inside, log-degrees added: what every decoding row of a compressed request runs) in PyTorch
 (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
 first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
 per-key term). The defaults are the rows of `make serve-bench`: the full cache's 4 running requests
@@ -82,9 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="4:2560,11:704,16:384", help="requests:entries, comma-separated")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads, for all three")
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        raise SystemExit(f"error: --threads takes a count >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     if compiled() is None:
         raise SystemExit("error: the C++ decode attention could not be built here (see the warning above)")
     print(

@@ -133,6 +133,16 @@ def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, hea
         keys, values = read_entries(kv_cache, slots)
         one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), scale)
         assert (out[token].float() - one[0].float()).abs().max().item() < 1e-2
+    if use_compiled:  # the loop splits (request, KV head) pairs over torch's threads: not a bit moves
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            alone = decode_attention(query, kv_cache, log_degree, batch, scale, use_compiled)
+            torch.set_num_threads(4)
+            split = decode_attention(query, kv_cache, log_degree, batch, scale, use_compiled)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, split)
 
 
 def test_the_attention_benchmark_times_both_on_the_same_blocks(capsys):
