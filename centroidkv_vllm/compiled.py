@@ -6,8 +6,9 @@ that copy costs about as much as the attention (scripts/bench_plugin_attention.p
 computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
 them, 16 lanes at a time, its (request, KV head) pairs over torch's threads. It is built once per
 checkout by torch's extension loader (about 40 s, cached under ~/.cache/torch_extensions); where no
-compiler is found the plugin logs one warning and keeps the PyTorch path. Other cache dtypes (float32, float16), and head dims or block sizes that are
-not multiples of 16, always take the PyTorch path.
+compiler is found the plugin logs one warning and keeps the PyTorch path. Other cache dtypes
+(float32, float16), and head dims or block sizes that are not multiples of 16, always take the
+PyTorch path.
 """
 
 from __future__ import annotations

@@ -64,10 +64,10 @@ static constexpr KeyLogits kKeyLogits[kMaxGroup] = {key_logits<1>, key_logits<2>
 static constexpr AddValues kAddValues[kMaxGroup] = {add_values<1>, add_values<2>, add_values<3>, add_values<4>,
                                                     add_values<5>, add_values<6>, add_values<7>, add_values<8>};
 
-// softmax over [begin, end) of scale * logits + bias, in place
-static void softmax(float* logits, const float* bias, int64_t begin, int64_t end, float scale) {
-  float largest = logits[begin] * scale + bias[begin];
-  for (int64_t j = begin; j < end; ++j) largest = std::max(largest, logits[j] = logits[j] * scale + bias[j]);
+// softmax over [begin, end) of scale * logits + log n, in place
+static void softmax(float* logits, const float* log_n, int64_t begin, int64_t end, float scale) {
+  float largest = logits[begin] * scale + log_n[begin];
+  for (int64_t j = begin; j < end; ++j) largest = std::max(largest, logits[j] = logits[j] * scale + log_n[j]);
   float total = 0.f;
   for (int64_t j = begin; j < end; ++j) total += (logits[j] = std::exp(logits[j] - largest));
   const float inverse = 1.f / total;
@@ -83,17 +83,17 @@ struct Layout {
 // one KV head of one request: its `group` query heads over the entries [begin, end) of `row_blocks`
 static void attend(const Layout& at, const int64_t* row_blocks, int64_t begin, int64_t end, int64_t h,
                    const float* queries, float scale, float* out, std::vector<float>& logits,
-                   std::vector<float>& bias) {
+                   std::vector<float>& log_n) {
   const int64_t bs = at.block_size, used = (end + bs - 1) / bs, span = used * bs;
   for (int64_t b = 0; b < used; ++b) {
     const int64_t block = row_blocks[b];
     const uint16_t* keys = at.kv + (block * at.heads + h) * 2 * bs * at.dim;
-    for (int64_t t = 0; t < bs; ++t) bias[b * bs + t] = at.degree[(block * bs + t) * at.heads + h];
+    for (int64_t t = 0; t < bs; ++t) log_n[b * bs + t] = at.degree[(block * bs + t) * at.heads + h];
     for (int64_t g = 0; g < at.group; g += kMaxGroup)
       kKeyLogits[std::min(at.group - g, kMaxGroup) - 1](keys, queries + g * at.dim, at.dim, bs,
                                                          logits.data() + g * span + b * bs, span);
   }
-  for (int64_t g = 0; g < at.group; ++g) softmax(logits.data() + g * span, bias.data(), begin, end, scale);
+  for (int64_t g = 0; g < at.group; ++g) softmax(logits.data() + g * span, log_n.data(), begin, end, scale);
   for (int64_t b = 0; b < used; ++b) {
     const uint16_t* values = at.kv + ((row_blocks[b] * at.heads + h) * 2 + 1) * bs * at.dim;
     const int64_t lo = std::max(begin - b * bs, int64_t{0}), hi = std::min(end - b * bs, bs);
@@ -128,11 +128,11 @@ torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Ten
   float* out = output.data_ptr<float>();
   // (request, KV head) pairs over torch's intra-op threads (the engine's); each writes its own rows
   at::parallel_for(0, rows * heads, 1, [&](int64_t first_pair, int64_t end_pair) {
-    std::vector<float> logits(layout.group * width * block_size), bias(width * block_size);
+    std::vector<float> logits(layout.group * width * block_size), log_n(width * block_size);
     for (int64_t pair = first_pair; pair < end_pair; ++pair) {
       const int64_t m = pair / heads, h = pair % heads, head_row = m * q_heads + h * layout.group;
       attend(layout, table + m * width, offsets[m], offsets[m] + counts[m], h, queries + head_row * dim,
-             static_cast<float>(scale), out + head_row * dim, logits, bias);
+             static_cast<float>(scale), out + head_row * dim, logits, log_n);
     }
   });
   return output;

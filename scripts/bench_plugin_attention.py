@@ -4,8 +4,8 @@
 
 For each shape (running requests : entries each) all attend one decoding query per request over
 the same random bf16 blocks of 128 slots, on one thread (`--threads`: more): the plugin's decode
-attention (float32 inside, log-degrees added: what every decoding row of a compressed request runs) in PyTorch
-(`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
+attention (float32 inside, log-degrees added: what every decoding row of a compressed request runs)
+in PyTorch (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
 first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
 per-key term). The defaults are the rows of `make serve-bench`: the full cache's 4 running requests
 at prompt + new tokens (2048 + 512), and R = 1/4 and 1/8 at their most running requests, each holding
