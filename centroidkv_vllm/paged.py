@@ -89,10 +89,10 @@ class DecodeBatch:
     @classmethod
     def of(cls, block_table: Tensor, rows: list[tuple[int, int, int, int]], block_size: int) -> DecodeBatch:
         """rows: (batch index, query token index, kept start, length) of each decoding row."""
-        first = [start // block_size for _, _, start, _ in rows]
-        count = [-(-length // block_size) - f for (_, _, _, length), f in zip(rows, first)]
+        first_block = [start // block_size for _, _, start, _ in rows]
+        count = [-(-length // block_size) - f for (_, _, _, length), f in zip(rows, first_block)]
         blocks = torch.zeros(len(rows), max(count), dtype=torch.long)
-        for m, ((index, _, _, _), f, n) in enumerate(zip(rows, first, count)):
+        for m, ((index, _, _, _), f, n) in enumerate(zip(rows, first_block, count)):
             blocks[m, :n] = block_table[index, f : f + n].long()
         tokens = torch.tensor([token for _, token, _, _ in rows], dtype=torch.long)
         first_offsets = torch.tensor([start % block_size for _, _, start, _ in rows], dtype=torch.long)
