@@ -44,28 +44,35 @@ def median_ms(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def one_shape(requests: int, entries: int, repeats: int) -> tuple[float, float, float]:
-    """(PyTorch ms, C++ loop ms, vLLM kernel ms) for `requests` decoding rows over `entries` each,
-    log-degrees 0."""
+def one_shape(requests: int, entries: int, layers: int, repeats: int) -> tuple[float, float, float]:
+    """(PyTorch ms, C++ loop ms, vLLM kernel ms) per layer for `requests` decoding rows over `entries`
+    each, log-degrees 0, one pass over `layers` layers of their own blocks."""
     gen = torch.Generator().manual_seed(0)
     per_request = -(-entries // BLOCK)
     num_blocks = requests * per_request + 1  # block 0 is vLLM's null block
-    kv_cache = torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16()
-    log_degree = torch.zeros(num_blocks * BLOCK, HEADS)
+    caches = [torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16() for _ in range(layers)]
+    degrees = [torch.zeros(num_blocks * BLOCK, HEADS) for _ in range(layers)]
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: requests * per_request]
     table = table.view(requests, per_request).int()
     query = torch.randn(requests, Q_HEADS, DIM, generator=gen).bfloat16()
     batch = DecodeBatch.of(table, [(i, i, 0, entries) for i in range(requests)], BLOCK)
     seq_lens = torch.full((requests,), entries, dtype=torch.int32)
     query_start = torch.arange(requests + 1, dtype=torch.int32)
+
+    def every_layer(attend: Callable[[torch.Tensor, torch.Tensor], object]) -> Callable[[], None]:
+        return lambda: [attend(kv_cache, degree) for kv_cache, degree in zip(caches, degrees)]
+
     pytorch, loop = (
-        median_ms(lambda use=use: decode_attention(query, kv_cache, log_degree, batch, SCALE, use), repeats)
+        median_ms(
+            every_layer(lambda kv, degree, use=use: decode_attention(query, kv, degree, batch, SCALE, use)),
+            repeats,
+        )
         for use in (False, True)
     )
     kernel = median_ms(
-        lambda: kernel_attention(query, kv_cache, table, seq_lens, query_start, SCALE), repeats
+        every_layer(lambda kv, _: kernel_attention(query, kv, table, seq_lens, query_start, SCALE)), repeats
     )
-    return pytorch, loop, kernel
+    return pytorch / layers, loop / layers, kernel / layers
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -83,10 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="4:2560,11:704,16:384", help="requests:entries, comma-separated")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads, for all three")
+    parser.add_argument(
+        "--layers", type=int, default=30, help="layers of their own blocks per pass (1: cache-resident)"
+    )
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
-    if args.threads < 1:
-        raise SystemExit(f"error: --threads takes a count >= 1, got {args.threads}")
+    if args.threads < 1 or args.layers < 1:
+        raise SystemExit(f"error: --threads and --layers take counts >= 1, got {args.threads}, {args.layers}")
     torch.set_num_threads(args.threads)
     if compiled() is None:
         raise SystemExit("error: the C++ decode attention could not be built here (see the warning above)")
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for requests, entries in shapes:
-        pytorch, loop, kernel = one_shape(requests, entries, args.repeats)
+        pytorch, loop, kernel = one_shape(requests, entries, args.layers, args.repeats)
         print(
             f"| {requests} x {entries} | {pytorch:.2f} | {loop:.2f} | {kernel:.2f} "
             f"| {pytorch / loop:.1f} | {loop / kernel:.1f} |"

@@ -146,13 +146,15 @@ def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, hea
 
 
 def test_the_attention_benchmark_times_both_on_the_same_blocks(capsys):
-    """scripts/bench_plugin_attention.py: one table row per shape, both times positive; a shape that
-    is not requests:entries is one error line."""
+    """scripts/bench_plugin_attention.py: one table row per shape, every time positive; a shape that
+    is not requests:entries, or no layer, is one error line."""
     from scripts.bench_plugin_attention import main, one_shape
 
-    main(["--shapes", "2:300,3:129", "--repeats", "2"])
+    main(["--shapes", "2:300,3:129", "--repeats", "2", "--layers", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| 2 x 300", "| 3 x 129"]
-    assert all(ms > 0 for ms in one_shape(2, 300, 2))
+    assert all(ms > 0 for ms in one_shape(2, 300, 3, 2))
     with pytest.raises(SystemExit, match="requests:entries"):
         main(["--shapes", "2:0"])
+    with pytest.raises(SystemExit, match="--layers"):
+        main(["--layers", "0"])
