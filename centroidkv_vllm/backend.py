@@ -5,14 +5,16 @@
 
 - the metadata builder (once per step) compresses the requests that are due (`Tracker`); a compressed
   request holds its logical positions [start, length) (`centroidkv_vllm.plan`), new tokens keep their
-  logical slots, so vLLM's `slot_mapping` and positions are used as they are;
+  logical slots, so vLLM's `slot_mapping` and positions are used as they are; it then gives the
+  step's new slots log-degree 0 in every layer;
 - the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
   hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3;
   decoding rows of a bf16 cache by the plugin's own C++ loop, `centroidkv_vllm.compiled`)
   over their entries [start, length): the kernel has no per-key additive term and reads a request
   from position 0. Those rows are handed to the kernel with a length of their query only (its output
   for them is discarded), so it never reads the blocks the scheduler has freed at length cost.
-  Requests without centroids keep the kernel's output.
+  Requests without centroids keep the kernel's output; when every token of the step is such a
+  decoding row the kernel is not run.
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         query_lens = start[1:] - start[:-1]
         seq_lens = cm.seq_lens[:num_reqs].cpu()
         starts = self.tracker.starts(layers, seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
+        # this step's new entries get log-degree 0 (their slots may hold a former centroid's): all
+        # below a request's computed length were merged or kept above, so it runs after the tracker
+        new_slots = cm.slot_mapping[: cm.num_actual_tokens]
+        new_slots = new_slots[new_slots >= 0].long()
+        for layer in layers:
+            layer.log_degree.index_fill_(0, new_slots, 0.0)
         # CSM only merges, so a request with a kept start > 0 holds centroids in every layer
         own = self.config.own_attention
         merged = tuple(
@@ -122,16 +130,6 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
 
 
 class CentroidImpl(CPUAttentionBackendImpl):
-    def do_kv_cache_update(
-        self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor
-    ) -> None:
-        """vLLM's write, then log-degree 0 for the new entries (their slots may hold a former centroid's)."""
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        table = LAYERS.get(layer.layer_name)
-        if table is not None:
-            slots = slot_mapping[: key.shape[0]]
-            table.log_degree[slots[slots >= 0].long()] = 0.0
-
     def forward(
         self,
         layer,
@@ -144,16 +142,20 @@ class CentroidImpl(CPUAttentionBackendImpl):
         output_scale=None,
         output_block_scale=None,
     ) -> Tensor:
-        output = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-        )
         merged = getattr(attn_metadata, "merged", ())
         decoding = getattr(attn_metadata, "decoding", None)
+        n_tokens = getattr(attn_metadata, "num_actual_tokens", 0)
+        # vLLM's kernel runs unless every token is a decoding row of ours (its output all replaced)
+        only_ours = decoding is not None and not merged and len(decoding.rows) == n_tokens
+        if not only_ours:
+            output = super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         if not merged and decoding is None:
             return output
         table = LAYERS[layer.layer_name]
         if decoding is not None:
-            rows = decoding.rows
+            rows = slice(0, n_tokens) if only_ours else decoding.rows  # all rows: in token order
             output[rows] = decode_attention(
                 query[rows],
                 kv_cache,
