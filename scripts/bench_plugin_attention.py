@@ -1,16 +1,18 @@
-"""The plugin's decode attention against vLLM's own C++ kernel, one layer, side by side in one run.
+"""The plugin's decode attention against vLLM's own C++ kernel, per layer, side by side in one run.
 
-    .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384] [--threads 1]
+    .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384] [--threads 1] [--layers 30]
 
 For each shape (running requests : entries each) all attend one decoding query per request over
 the same random bf16 blocks of 128 slots, on one thread (`--threads`: more): the plugin's decode
 attention (float32 inside, log-degrees added: what every decoding row of a compressed request runs)
-in PyTorch (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default; built
-first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
+in PyTorch (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default;
+built first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
 per-key term). The defaults are the rows of `make serve-bench`: the full cache's 4 running requests
 at prompt + new tokens (2048 + 512), and R = 1/4 and 1/8 at their most running requests, each holding
-R (prompt + new) + g (64) entries. Prints the median time of each and their ratios; times one layer
-(a step runs every layer).
+R (prompt + new) + g (64) entries. Each timing is one pass over `--layers` layers (the embedded
+model's 30), each with its own blocks and log-degrees, so that they stream from memory as a step's
+do in the engine (`--layers 1`: one layer's blocks stay in the L3 cache, which flatters all three);
+prints the median time per layer of each and their ratios.
 """
 
 from __future__ import annotations
