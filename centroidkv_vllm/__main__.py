@@ -5,6 +5,9 @@ with or without the plugin, printed as JSON.
 - `workload`: `--requests` different document prompts of `--prompt-tokens` tokens, stepped through
   the engine in this process (`centroidkv_vllm.workload`): tokens, and the scheduler's running count
   and free blocks after every step, TTFT and finish time per request.
+- `profile`: the same prompts, and once every prompt is in and `--warm-steps` more have run, `--steps`
+  decode steps under cProfile: milliseconds per step and the functions that took the most time
+  (where a decode step's time goes, e.g. the plugin's attention against vLLM's kernel).
 
 Stock vLLM: `--stock` (the engine is started with VLLM_PLUGINS naming no plugin, so CPU_ATTN is
 vLLM's own); otherwise the plugin with `--budget R` and the other `CentroidConfig` settings, and its
@@ -69,7 +72,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_engine_args(work)
     work.add_argument("--requests", type=int, default=8)
     work.add_argument("--prompt-tokens", type=int, default=1024)
-    return parser.parse_args(argv)
+    prof = sub.add_parser("profile", help="decode steps under cProfile: ms per step, top functions")
+    add_engine_args(prof)
+    prof.add_argument("--requests", type=int, default=4)
+    prof.add_argument("--prompt-tokens", type=int, default=2048)
+    prof.add_argument("--warm-steps", type=int, default=70, help="decode steps before profiling")
+    prof.add_argument("--steps", type=int, default=60, help="decode steps profiled")
+    prof.add_argument("--top", type=int, default=25, help="functions listed")
+    prof.set_defaults(max_tokens=512)  # serve-bench's new tokens: the budget's Gamma and room to profile
+    args = parser.parse_args(argv)
+    if args.command == "profile" and (
+        min(args.steps, args.top, args.requests) < 1 or args.max_tokens <= args.warm_steps + args.steps
+    ):
+        parser.error("profile: --steps, --top, --requests >= 1 and --max-tokens > --warm-steps + --steps")
+    return args
 
 
 def llm_args(args: argparse.Namespace) -> dict:
@@ -133,9 +149,20 @@ def workload(args: argparse.Namespace) -> dict:
     return {"stock": args.stock, "budget": None if args.stock else args.budget, **vars(trace)}
 
 
+def profile(args: argparse.Namespace) -> dict:
+    from centroidkv_vllm import workload as wl
+
+    llm = wl.make_llm(llm_args(args), args.stock)
+    prompts = wl.document_prompts(llm.get_tokenizer(), args.requests, args.prompt_tokens)
+    measured = wl.profile_steps(
+        llm, wl.Workload(prompts, args.max_tokens), args.warm_steps, args.steps, args.top
+    )
+    return {"stock": args.stock, "budget": None if args.stock else args.budget, **measured}
+
+
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
-    return generate(args) if args.command == "generate" else workload(args)
+    return {"generate": generate, "workload": workload, "profile": profile}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ at time 0, so a request's time to first token includes its wait in the queue. Us
 
 from __future__ import annotations
 
+import cProfile
 import os
+import pstats
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +128,42 @@ def run(llm: Any, workload: Workload) -> Trace:
     managers = getattr(scheduler, "centroid_managers", lambda: [])()
     trace.freed_early = sum(m.freed_total for m in managers)
     return trace
+
+
+def profile_steps(llm: Any, workload: Workload, warm_steps: int, steps: int, top: int) -> dict[str, Any]:
+    """Add every request, step until none is in prefill and `warm_steps` more (compressions due at
+    the anchor included), then profile `steps` decode steps (cProfile): milliseconds per step, and
+    the `top` functions by own time, each as (name, calls, own ms per step, cumulative ms per step)."""
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(workload.prompts):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+
+    def prefilling() -> bool:
+        return bool(scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+        )
+
+    while engine.has_unfinished_requests() and prefilling():
+        engine.step()
+    for _ in tqdm(range(warm_steps), desc="warm-up steps"):
+        engine.step()
+    running = len(scheduler.running)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    with profiler:
+        for _ in tqdm(range(steps), desc="profiled steps"):
+            engine.step()
+    seconds = time.perf_counter() - start
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for function in stats.fcn_list[:top]:
+        _, calls, own, cumulative, _ = stats.stats[function]
+        rows.append((pstats.func_std_string(function), calls, own * 1e3 / steps, cumulative * 1e3 / steps))
+    return {"running": running, "ms_per_step": seconds * 1e3 / steps, "top": rows}
 
 
 def block_bytes(scheduler: Any) -> int:

@@ -125,3 +125,26 @@ def test_own_attention_gives_the_kernel_tokens_in_float32():
     kernel, log = run_generate("--budget", "1.0", "--dtype", "float32", "--long-chars", "3000")
     assert kernel is not None, log[-3000:]
     assert own["tokens"] == kernel["tokens"]
+
+
+def test_profile_refuses_a_window_its_requests_would_not_last(capsys):
+    """`python -m centroidkv_vllm profile`: the requests must outlast the warm-up and profiled steps;
+    refused with one line before any model loads."""
+    from centroidkv_vllm.__main__ import parse_args
+
+    assert parse_args(["profile"]).max_tokens == 512
+    for bad in (["--max-tokens", "130"], ["--steps", "0"], ["--requests", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["profile", *bad])
+        assert "--max-tokens > --warm-steps + --steps" in capsys.readouterr().err
+
+
+@needs_model
+def test_profile_finds_the_plugins_attention_in_its_decode_steps():
+    """A small profile of the own-attention setting: its decode steps run the plugin's C++ loop."""
+    args = ("--requests", "2", "--prompt-tokens", "256", "--warm-steps", "2", "--steps", "3")
+    result, log = run_generate("--own-attention", "--max-tokens", "8", *args, command="profile")
+    assert result is not None, log[-3000:]
+    assert result["running"] == 2 and result["ms_per_step"] > 0
+    names = [name for name, *_ in result["top"]]
+    assert any("degree_decode" in name for name in names), names
