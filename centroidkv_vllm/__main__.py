@@ -79,7 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     prof.add_argument("--warm-steps", type=int, default=70, help="decode steps before profiling")
     prof.add_argument("--steps", type=int, default=60, help="decode steps profiled")
     prof.add_argument("--top", type=int, default=25, help="functions listed")
-    prof.set_defaults(max_tokens=512)  # serve-bench's new tokens: the budget's Gamma and room to profile
+    # serve-bench's new tokens (the budget's Gamma, and room to profile) and its running limit
+    prof.set_defaults(max_tokens=512, max_num_seqs=64)
     args = parser.parse_args(argv)
     if args.command == "profile" and (
         min(args.steps, args.top, args.requests) < 1 or args.max_tokens <= args.warm_steps + args.steps
