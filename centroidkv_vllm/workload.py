@@ -80,18 +80,23 @@ def scheduler_of(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def run(llm: Any, workload: Workload) -> Trace:
-    """Add every request, step the engine until all are done, and record each step."""
+def add_requests(engine: Any, workload: Workload) -> None:
+    """Every prompt as a greedy request of `max_tokens` new tokens (no stop at EOS), ids "0", "1", ..."""
     from vllm import SamplingParams
 
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(workload.prompts):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+
+
+def run(llm: Any, workload: Workload) -> Trace:
+    """Add every request, step the engine until all are done, and record each step."""
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
     count = len(workload.prompts)
     trace = Trace(tokens=[[] for _ in range(count)], ttft=[0.0] * count, finish=[0.0] * count)
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+    add_requests(engine, workload)
     start = time.perf_counter()
     last = 0.0
     preempted: set[str] = set()
@@ -135,12 +140,9 @@ def profile_steps(llm: Any, workload: Workload, warm_steps: int, steps: int, top
     the anchor included), then profile `steps` decode steps (cProfile): milliseconds per step, and
     the `top` functions by own time, each as (name, calls, own ms per step, cumulative ms per step)."""
     from tqdm import tqdm
-    from vllm import SamplingParams
 
     engine, scheduler = llm.llm_engine, scheduler_of(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+    add_requests(engine, workload)
 
     def prefilling() -> bool:
         return bool(scheduler.waiting) or any(
