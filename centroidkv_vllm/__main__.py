@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL = (
     Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"
@@ -123,6 +124,11 @@ def make_llm(args: argparse.Namespace):
     return LLM(**llm_args(args))
 
 
+def engine_of(args: argparse.Namespace) -> dict:
+    """Which engine a result is from: stock vLLM, or the plugin at its budget."""
+    return {"stock": args.stock, "budget": None if args.stock else args.budget}
+
+
 def generate(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
@@ -132,8 +138,7 @@ def generate(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return {
-        "stock": args.stock,
-        "budget": None if args.stock else args.budget,
+        **engine_of(args),
         "prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outputs],
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -141,24 +146,26 @@ def generate(args: argparse.Namespace) -> dict:
     }
 
 
-def workload(args: argparse.Namespace) -> dict:
+def engine_and_documents(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The engine in this process and the `--requests` document prompts as a `Workload`."""
     from centroidkv_vllm import workload as wl
 
     llm = wl.make_llm(llm_args(args), args.stock)
     prompts = wl.document_prompts(llm.get_tokenizer(), args.requests, args.prompt_tokens)
-    trace = wl.run(llm, wl.Workload(prompts, args.max_tokens))
-    return {"stock": args.stock, "budget": None if args.stock else args.budget, **vars(trace)}
+    return llm, wl.Workload(prompts, args.max_tokens)
+
+
+def workload(args: argparse.Namespace) -> dict:
+    from centroidkv_vllm.workload import run
+
+    return {**engine_of(args), **vars(run(*engine_and_documents(args)))}
 
 
 def profile(args: argparse.Namespace) -> dict:
-    from centroidkv_vllm import workload as wl
+    from centroidkv_vllm.workload import profile_steps
 
-    llm = wl.make_llm(llm_args(args), args.stock)
-    prompts = wl.document_prompts(llm.get_tokenizer(), args.requests, args.prompt_tokens)
-    measured = wl.profile_steps(
-        llm, wl.Workload(prompts, args.max_tokens), args.warm_steps, args.steps, args.top
-    )
-    return {"stock": args.stock, "budget": None if args.stock else args.budget, **measured}
+    llm, documents = engine_and_documents(args)
+    return {**engine_of(args), **profile_steps(llm, documents, args.warm_steps, args.steps, args.top)}
 
 
 def main(argv: list[str]) -> dict:
