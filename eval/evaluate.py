@@ -129,6 +129,7 @@ class Evaluator:
             prediction = self.tokenizer.decode(outcome.answer_ids, skip_special_tokens=True)
             record = {**record_base, **self.spec_fields(spec), "status": "ok", "prediction": prediction}
             record["score"] = self.benchmark.score(sample, prediction)
+            record.update(self.benchmark.record_fields(sample, prediction, record["score"]))
             record["n_generated"] = len(outcome.answer_ids)
             record.update(outcome.generation.measured)
             record.update(outcome.fields)

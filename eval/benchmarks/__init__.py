@@ -166,6 +166,10 @@ class Benchmark:
         """The benchmark's metric for one prediction, 0-100."""
         raise NotImplementedError
 
+    def record_fields(self, sample: Sample, prediction: str, score: float) -> dict[str, Any]:
+        """Fields a scored record carries besides its score (none by default)."""
+        return {}
+
     def validate(self) -> list[str]:
         """One line per bad value (empty when all is well); subclasses extend it."""
         errors = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from centroidkv.errors import first_line
 from eval.benchmarks import Benchmark, Report, Sample, register_benchmark
@@ -112,3 +113,13 @@ class Ruler(Benchmark):
         from eval.benchmarks.ruler.scoring import ruler_score
 
         return float(ruler_score(sample["task"], prediction, sample["answers"]))
+
+    def record_fields(self, sample: Sample, prediction: str, score: float) -> dict[str, Any]:
+        """On the multikey tasks, `wrong_answer`: what a wrong prediction gave (`ruler.confusion`)."""
+        from eval.benchmarks.ruler.confusion import confusable, wrong_answer_kind
+
+        if not confusable(sample["task"]):
+            return {}
+        context = sample.get("context") or sample["input"]
+        wrong = score < 100 and wrong_answer_kind(sample["task"], prediction, sample["answers"], context)
+        return {"wrong_answer": wrong or None}

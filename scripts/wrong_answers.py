@@ -1,0 +1,83 @@
+"""What the wrong answers on multikey tasks gave: another needle's value, a value absent from the
+prompt, or none (`eval.benchmarks.ruler.confusion`), counted per method, length and budget.
+
+    python scripts/wrong_answers.py results/long [--out DIR]
+
+Reads the records' `wrong_answer` field (written by the RULER benchmark on its multikey tasks) and
+writes `<results>/tables/wrong_answers.md`: one row per method label, context length and budget, with
+the samples, the wrong answers and each kind. A merging method that blends the keys of similar
+needles shows it as distractors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eval.benchmarks.ruler.confusion import KINDS, confusable  # noqa: E402
+from scripts.table_files import OutputError, output_folder, write_text  # noqa: E402
+from scripts.tables import load_or_error  # noqa: E402
+
+COLUMNS = ("samples", "wrong", *KINDS)
+
+
+def wrong_answer_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (label, length, budget) over the scored records of the multikey tasks: the samples, the
+    wrong answers and the count of each kind."""
+    if "wrong_answer" not in df:
+        return pd.DataFrame(columns=["label", "length", "budget", *COLUMNS])
+    scored = df[df["ok"] & df["task"].map(confusable)]
+    rows = []
+    for (label, length, budget), group in scored.groupby(["label", "length", "budget"], sort=False):
+        kinds = group["wrong_answer"].dropna()
+        counts = {kind: int((kinds == kind).sum()) for kind in KINDS}
+        rows.append({"label": label, "length": length, "budget": budget, "samples": len(group),
+                     "wrong": int(kinds.size), **counts})  # fmt: skip
+    return pd.DataFrame(rows).sort_values(["length", "budget"], kind="stable", ignore_index=True)
+
+
+def markdown(counts: pd.DataFrame) -> str:
+    header = "| method | length | budget | " + " | ".join(COLUMNS) + " |"
+    lines = [header, "|---|---:|---:|" + "---:|" * len(COLUMNS)]
+    for row in counts.itertuples(index=False):
+        cells = [str(getattr(row, column)) for column in COLUMNS]
+        lines.append(f"| {row.label} | {row.length} | {row.budget:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, help="folder for the table (default: <results>/tables)")
+    args = parser.parse_args(argv)
+    df = load_or_error([args.results])
+    if isinstance(df, str):
+        print(df, file=sys.stderr)
+        return 2
+    counts = wrong_answer_counts(df)
+    if counts.empty:
+        print(f"error: no multikey records with a wrong_answer field under {args.results}", file=sys.stderr)
+        return 2
+    caption = (
+        "Wrong answers on the multikey tasks: another needle's value (distractor), a value absent "
+        "from the prompt's needles, or no value; per method, context length and budget."
+    )
+    text = f"{caption}\n\n{markdown(counts)}\n"
+    try:
+        write_text(output_folder(args.out or args.results / "tables") / "wrong_answers.md", text)
+    except OutputError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
