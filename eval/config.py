@@ -102,15 +102,17 @@ def share_store_on_copy() -> None:
     ConfigStore.__deepcopy__ = lambda self, memo: self
 
 
-METHOD_ENTRY_KEYS = ("name", "variant", "params")
+METHOD_ENTRY_KEYS = ("name", "variant", "params", "samples")
 
 
 def _method_entry(
     entry: Any, method_raw: dict[str, Any], errors: list[str], names: list[str]
-) -> tuple[str, str, dict[str, Any]] | None:
-    """(method name, variant, parameters given) of one `methods` entry, or None after an error line.
+) -> tuple[str, str, dict[str, Any], Any] | None:
+    """(method name, variant, parameters given, sample cap) of one `methods` entry, or None after an
+    error line.
 
-    An entry is a registered name (of `names`: the schema's), or a mapping {name, variant, params}.
+    An entry is a registered name (of `names`: the schema's), or a mapping {name, variant, params,
+    samples} (`samples`: `MethodSpec.samples`, checked by `sample_cap_error`).
     The parameters given are `method.params` when `method.name` is this method, then the entry's own
     `params`; the method's dataclass supplies every other default.
     """
@@ -123,6 +125,9 @@ def _method_entry(
             )
             return None
         name, variant, own = entry.get("name"), entry.get("variant"), entry.get("params")
+        if (problem := sample_cap_error(entry.get("samples"))) is not None:
+            errors.append(f"methods: samples of {variant or name}: {problem}")
+            return None
     else:
         name, variant, own = entry, None, None
     if name not in names:
@@ -140,7 +145,17 @@ def _method_entry(
         return None
     params = dict(method_raw.get("params") or {}) if method_raw.get("name") == name else {}
     params.update(own or {})
-    return str(name), variant, params
+    return str(name), variant, params, entry.get("samples") if isinstance(entry, dict) else None
+
+
+def sample_cap_error(samples: Any) -> str | None:
+    """What is wrong with a method entry's `samples` (None: nothing): absent, a count >= 1, or a
+    mapping {context length: count >= 1}."""
+    counts = samples.values() if isinstance(samples, dict) else [] if samples is None else [samples]
+    keys = samples.keys() if isinstance(samples, dict) else []
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in [*counts, *keys]):
+        return f"a count >= 1 or a mapping {{length: count >= 1}}, got {samples!r}"
+    return None
 
 
 def _check_budget(value: Any, where: str, errors: list[str]) -> float | None:
@@ -164,7 +179,7 @@ class _FirstPass:
     """What the first pass read from a config, for the second (`build_run_config`)."""
 
     model: ModelConfig
-    entries: list[tuple[str, str | None, dict[str, Any]]]  # (method, variant or None, parameters given)
+    entries: list[tuple[str, str | None, dict[str, Any], Any]]  # (method, variant, parameters, cap)
     budgets: list[float]
     benchmark: Benchmark | None
     logger: LoggerConfig
@@ -222,7 +237,8 @@ def _first_pass(raw: dict[str, Any], schema: dict[str, Any] | None) -> tuple[_Fi
 def _methods_and_budgets(
     raw: dict[str, Any], schema: dict[str, Any], errors: list[str]
 ) -> tuple[list[tuple[str, str, dict[str, Any]]], list[float]]:
-    """The method entries (name, variant, params) and budgets of a run; what is wrong goes to `errors`."""
+    """The method entries (name, variant, params, sample cap) and budgets of a run; what is wrong goes
+    to `errors`."""
     from eval.schema import method_errors
 
     method_raw = raw.get("method") or {}
@@ -238,11 +254,11 @@ def _methods_and_budgets(
         parsed = _method_entry(entry, method_raw, errors, list(schema["methods"]))
         if parsed is None:
             continue
-        name, variant, params = parsed
+        name, variant, params, samples = parsed
         if raw.get("kv_precision") is not None:  # the run's storage precision, unless the entry sets one
             params.setdefault("kv_precision", raw["kv_precision"])
         errors.extend(_method_line(variant, name, line) for line in method_errors(name, params, schema))
-        entries.append((name, variant, params))
+        entries.append((name, variant, params, samples))
     return entries, budgets
 
 
@@ -306,7 +322,7 @@ def build_run_config(
     errors.extend(model.device_errors())
     specs: list[MethodSpec] = []
     variants: list[str] = []
-    for name, variant, params in read.entries:
+    for name, variant, params, samples in read.entries:
         try:
             method = get_method(name, **params)
             method.check_model(str(model_name))
@@ -322,9 +338,9 @@ def build_run_config(
             continue
         variants.append(variant)
         if not method.compresses:  # the full cache is one reference run, whatever the budgets
-            specs.append(MethodSpec(name, 1.0, params, variant))
+            specs.append(MethodSpec(name, 1.0, params, variant, samples))
             continue
-        specs.extend(MethodSpec(name, b, params, variant) for b in read.budgets)
+        specs.extend(MethodSpec(name, b, params, variant, samples) for b in read.budgets)
     if not errors:
         errors.extend(_budget_errors(specs, benchmark, str(model_name), budget_unit, model.resolved()[1]))
     if errors:

@@ -82,16 +82,24 @@ class MethodSpec:
 
     `variant` names this configuration of the method (by default the method's own name): a job may
     hold several variants of one method, e.g. `centroidkv` and `csm_pre_rope`, sharing each prefill.
+    `samples` caps the samples it runs on per task and length (the first ones, so that they share
+    their prefill with the other methods): a count, or {length: count} (lengths not named: no cap).
     """
 
     name: str
     budget: float
     params: dict[str, Any] = field(default_factory=dict)
     variant: str = ""
+    samples: int | dict[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.variant:
             object.__setattr__(self, "variant", self.name)
+
+    def runs_on(self, length: int | None, position: int) -> bool:
+        """Whether the sample at `position` (0, 1, ...) among its task's samples of `length` is run."""
+        cap = self.samples.get(length) if isinstance(self.samples, dict) else self.samples
+        return cap is None or position < cap
 
     @property
     def label(self) -> str:
@@ -167,6 +175,8 @@ class RunConfig:
             identity[f"{prefix}.method"] = spec.name
             identity.update({f"{prefix}.params.{k}": v for k, v in spec.params.items()})
             identity.setdefault(f"{prefix}.budgets", []).append(spec.budget)
+            if spec.samples is not None:  # absent when uncapped: older jobs keep their identity
+                identity[f"{prefix}.samples"] = spec.samples
         for variant, fields in self.method_fields().items():  # e.g. CentroidKV's head file and its hash
             identity.update({f"methods.{variant}.{k}": v for k, v in fields.items()})
         return json.loads(json.dumps(identity, default=str))  # plain values, as read back from YAML

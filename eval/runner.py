@@ -11,7 +11,7 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -225,10 +225,17 @@ def _run_samples(
     """Each sample's pending methods through the evaluator (or `cfg.workers` processes of their own:
     `eval.workers`), every record to `keep` as it comes; the progress bar shows the running score of
     `records` (kept ones included)."""
-    work = []
+    work, seen = [], Counter()
     for sample in samples:
         probe = evaluator.base_record(sample)
-        pending = [s for s in cfg.methods if record_key({**probe, **evaluator.spec_fields(s)}) not in done]
+        position = seen[probe["task"], probe["length"]]
+        seen[probe["task"], probe["length"]] += 1
+        pending = [
+            s
+            for s in cfg.methods
+            if s.runs_on(probe["length"], position)
+            and record_key({**probe, **evaluator.spec_fields(s)}) not in done
+        ]
         if pending:
             work.append((sample, pending))
     skipped = len(samples) - len(work)
