@@ -111,7 +111,7 @@ WORKERS ?= $(if $(filter smollm2-135m,$(MODEL)),$(shell nproc 2>/dev/null || ech
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables published zoo ablate ablate-centroidkv heads precision long
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables published zoo ablate ablate-centroidkv heads precision long long-dev bench-prefill
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) workers=$(WORKERS) $(ARGS)
@@ -163,14 +163,28 @@ heads: $(STAMP)
 	$(PYTHON) scripts/head_attribution.py results/heads_low  # dev has no 0.0625: chosen on these records
 	$(PYTHON) scripts/figures.py results/heads --out paper_figures
 
-# Long context on the second model family (configs/experiment/long.yaml): qwen2.5-0.5b at 16k, every
-# method with heads none and whole at 1/8 and 1/4 of the bytes, on test samples (MODEL=... another model).
+# The long-context study (configs/experiment/long.yaml, long_32k.yaml): qwen2.5-0.5b at 8k and 16k, then
+# 32k (the most expensive part, last), test split, 1/8 and 1/4 of the bytes; resumable (a rerun goes on
+# where the last stopped). make long-dev: which tasks the full cache answers on dev at each length.
 LONG_MODEL ?= qwen2.5-0.5b
+LONG_RUN = $(PYTHON) scripts/run.py model=$(if $(filter smollm2-135m,$(MODEL)),$(LONG_MODEL),$(MODEL)) $(ARGS)
 long: $(STAMP)
-	$(PYTHON) scripts/run.py experiment=long model=$(if $(filter smollm2-135m,$(MODEL)),$(LONG_MODEL),$(MODEL)) $(ARGS)
+	$(LONG_RUN) experiment=long
+	$(LONG_RUN) experiment=long_32k
 	$(PYTHON) scripts/tables.py results/long
+	$(PYTHON) scripts/tables.py results/long_32k
+	$(PYTHON) scripts/wrong_answers.py results/long
+	$(PYTHON) scripts/wrong_answers.py results/long_32k
 	$(PYTHON) scripts/head_attribution.py results/long
 	$(PYTHON) scripts/figures.py results/long --out paper_figures
+
+long-dev: $(STAMP)
+	$(LONG_RUN) experiment=long_dev
+	$(PYTHON) scripts/tables.py results/long_dev
+
+# The prefill's GFLOP/s against a float32 matmul's on one thread (scripts/bench_prefill.py; ARGS=...).
+bench-prefill: $(STAMP)
+	OMP_NUM_THREADS=1 $(PYTHON) scripts/bench_prefill.py --needs snapkv h2o centroidkv $(ARGS)
 
 # CentroidKV's own ablation (similarity x outlier heads x schedule x chunk size, a half fraction) on dev.
 ablate-centroidkv: $(STAMP)
