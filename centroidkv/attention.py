@@ -216,31 +216,23 @@ def prefill_with_received(
     attention alone instead of five times.
 
     The output is SDPA's causal kernel (the plain prefill's, bit for bit), which also returns each
-    query row's log-sum-exp (lse). The attention key k receives, sum_q exp(q.k s - lse_q), is then one
-    more pass of the same kernel with the roles turned round: the keys ask, the queries answer with
-    the value exp(m - lse_q), and the sequence runs backwards so that "queries at or after k" is
-    causal. That pass gives sum_q exp(k.q s) exp(m - lse_q) / sum_q exp(k.q s) and its own lse, whose
-    product undoes the division. Rows whose lse lie more than 80 apart would underflow float32 in
-    exp(m - lse): such a layer takes `attention_with_received` instead.
+    query row's log-sum-exp (lse). What key k receives from one query head, sum_q exp(s q.k - lse_q),
+    is then the log-sum-exp of one more pass of the same kernel with the roles turned round: key k
+    asks with [k, 1], query q answers with [q, -lse_q / s], so that every logit is s q.k - lse_q; the
+    sequence runs backwards so that "queries at or after k" is causal. The kernel's running maximum
+    keeps this exact whatever the spread of the rows' lse (a sink token's rows reach 100 and more).
     """
     group = query.shape[1] // keys.shape[1]
     per_query_head = [t.repeat_interleave(group, dim=1) if group > 1 else t for t in (keys, values)]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     output, lse = flash(query, *per_query_head, 0.0, True, scale=scaling)[:2]
-    low = lse.amin(dim=2, keepdim=True)
-    if float((lse.amax(dim=2, keepdim=True) - low).max()) > _LSE_SPREAD:
-        output, received = attention_with_received(query, keys, values, None, scaling)
-        return output.transpose(1, 2).contiguous(), received
-    answers = F.pad(torch.exp(low - lse).unsqueeze(-1), (0, query.shape[3] - 1)).flip(2)
-    mean_answer, key_lse = flash(per_query_head[0].flip(2), query.flip(2), answers, 0.0, True, scale=scaling)[
-        :2
-    ]
-    per_head = (mean_answer[..., 0].log() + key_lse - low).exp().flip(2)
+    asking = F.pad(per_query_head[0], (0, 1), value=1.0).flip(2)
+    answering = torch.cat([query, (-lse / scaling).unsqueeze(-1).to(query.dtype)], dim=-1).flip(2)
+    unused_values = torch.zeros_like(answering)
+    received_lse = flash(asking, answering, unused_values, 0.0, True, scale=scaling)[1]
+    per_head = received_lse.float().exp().flip(2)
     received = per_head.view(keys.shape[0], keys.shape[1], group, -1).sum(dim=2)
-    return output.transpose(1, 2).contiguous(), received.float()
-
-
-_LSE_SPREAD = 80.0  # exp(-80) ~ 2e-35 is still a normal float32; exp(-88) is not
+    return output.transpose(1, 2).contiguous(), received
 
 
 def _biased_attention(
