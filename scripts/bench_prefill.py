@@ -6,7 +6,9 @@ a full cache, degree-aware attention) is timed, and its FLOPs are counted from t
 last token only: the prefill keeps one logit row), plus the causal attention, q k^T and p v over the
 lower triangle (2 * 2 * heads * head_dim * L (L + 1) / 2 per layer). The achieved rate is divided by
 a float32 matmul's rate measured in the same process on the same threads, before and after the
-prefills, so the ratio says how close the prefill runs to what this CPU can do.
+prefills, so the ratio says how close the prefill runs to what this CPU can do. Rates are per second
+of the process's CPU time (the wall time is printed beside it): on a machine shared with other jobs
+a thread waiting for a core does not count against either side.
 
 `--needs METHOD ...` adds rows whose prefill records what those methods need (SnapKV's query window,
 H2O's received attention, CentroidKV's positions), as a job's shared prefill does.
@@ -65,9 +67,9 @@ def matmul_gflops(size: int, repeats: int = 3) -> float:
     a @ b  # warm-up: the BLAS's one-time costs
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         a @ b
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return 2 * size**3 / best / 1e9
 
 
@@ -89,15 +91,15 @@ def prefill_flops(model: nn.Module, length: int) -> dict[str, float]:
     return {"linear": linear, "attention": attention, "total": linear + attention}
 
 
-def time_prefill(model: nn.Module, length: int, needs: list) -> float:
-    """Seconds of one prefill of `length` deterministic token ids recording `needs`."""
+def time_prefill(model: nn.Module, length: int, needs: list) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one prefill of `length` deterministic token ids recording `needs`."""
     from centroidkv.decoding import prefill
 
     vocab = model.config.vocab_size
     ids = (torch.arange(length) * 7919 % (vocab - 10) + 10).unsqueeze(0)
-    start = time.perf_counter()
+    start, wall = time.process_time(), time.perf_counter()
     prefill(model, ids, max_new_tokens=1, needs=needs)
-    return time.perf_counter() - start
+    return time.process_time() - start, time.perf_counter() - wall
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -116,8 +118,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for length in tqdm(args.lengths, desc="prefill lengths", file=sys.stderr):
         flops = prefill_flops(model, length)
         for recorded, needs in variants:
-            seconds = time_prefill(model, length, needs)
-            rows.append({"length": length, "needs": recorded, "seconds": seconds, **{
+            seconds, wall = time_prefill(model, length, needs)
+            rows.append({"length": length, "needs": recorded, "seconds": seconds, "wall_s": wall, **{
                 f"{part}_tflop": flops[part] / 1e12 for part in ("linear", "attention", "total")
             }, "gflops": flops["total"] / seconds / 1e9})  # fmt: skip
     matmul = (matmul_before + matmul_gflops(args.matmul_size)) / 2
@@ -131,12 +133,12 @@ def table(rows: list[dict], args: argparse.Namespace, load: dict) -> str:
         f"{args.model}, {args.threads} thread(s), float32 matmul {args.matmul_size}^2: "
         f"{rows[0]['matmul_gflops']:.1f} GFLOP/s; load {load}",
         "",
-        "| length | records | prefill s | TFLOP (linear + attention) | GFLOP/s | / matmul |",
+        "| length | records | prefill CPU s (wall s) | TFLOP (linear + attention) | GFLOP/s | / matmul |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['length']} | {r['needs']} | {r['seconds']:.1f} | {r['total_tflop']:.2f} "
+            f"| {r['length']} | {r['needs']} | {r['seconds']:.1f} ({r['wall_s']:.1f}) | {r['total_tflop']:.2f} "
             f"({r['linear_tflop']:.2f} + {r['attention_tflop']:.2f}) | {r['gflops']:.1f} | {r['ratio']:.2f} |"
         )
     return "\n".join(lines)
