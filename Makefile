@@ -171,16 +171,16 @@ LONG_RUN = $(PYTHON) scripts/run.py model=$(if $(filter smollm2-135m,$(MODEL)),$
 long: $(STAMP)
 	$(LONG_RUN) experiment=long
 	$(LONG_RUN) experiment=long_32k
-	$(PYTHON) scripts/tables.py results/long
-	$(PYTHON) scripts/tables.py results/long_32k
-	$(PYTHON) scripts/wrong_answers.py results/long
-	$(PYTHON) scripts/wrong_answers.py results/long_32k
-	$(PYTHON) scripts/head_attribution.py results/long
-	$(PYTHON) scripts/figures.py results/long --out paper_figures
+	$(PYTHON) scripts/tables.py results/long_study
+	$(PYTHON) scripts/tables.py results/long_study_32k
+	$(PYTHON) scripts/wrong_answers.py results/long_study
+	$(PYTHON) scripts/wrong_answers.py results/long_study_32k
+	$(PYTHON) scripts/head_attribution.py results/long_study
+	$(PYTHON) scripts/figures.py results/long_study --out paper_figures
 
 long-dev: $(STAMP)
 	$(LONG_RUN) experiment=long_dev
-	$(PYTHON) scripts/tables.py results/long_dev
+	$(PYTHON) scripts/tables.py results/long_study_dev
 
 # The prefill's GFLOP/s against a float32 matmul's on one thread (scripts/bench_prefill.py; ARGS=...).
 bench-prefill: $(STAMP)
