@@ -152,7 +152,7 @@ def test_a_tokenizer_with_more_tokens_than_embeddings_is_one_line_at_load(tmp_pa
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError) as error:
-        models.load_model(tmp_path, device="cpu")  # a Path is taken as well as its text
+        models.load_model(str(tmp_path), device="cpu")
     assert str(error.value) == (
         f"{tmp_path}: its tokenizer has {len(tokenizer)} tokens, more than the model's 512 embeddings "
         "(save the model's own tokenizer beside it)"
