@@ -108,10 +108,11 @@ def test_a_tokenizer_loaded_directly_never_runs_the_folders_code(tmp_path, monke
     """Behind the folder check, the loaders themselves pass trust_remote_code=False: transformers
     refuses instead of asking. Before: its question, answered "y", ran the code."""
     folder, marker = evil_folder(tmp_path, "tokenizer_config.json")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    modules = tmp_path / "modules"  # where transformers would copy the code to (read at its import)
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE", str(modules))
     monkeypatch.setattr("builtins.input", lambda *args: "y")  # piped input answering transformers
     assert models._folder_tokenizer(folder) is None  # refused by transformers, no tokenizer
-    assert not marker.exists()
+    assert not marker.exists() and not modules.exists()
 
 
 def from_pretrained_calls_without_trust_remote_code() -> list[str]:
