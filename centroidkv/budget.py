@@ -64,9 +64,10 @@ def solve_entries(
     """
     if stored_bytes(0) > target_bytes:
         what, remedy = besides
+        remedies = ", ".join(part for part in ("raise the budget", remedy) if part)
         raise ValueError(
             f"a byte budget of {target_bytes} bytes cannot be met: what is stored besides the compressed "
-            f"entries ({what}) already takes {stored_bytes(0)} bytes; raise the budget, {remedy}, or use "
+            f"entries ({what}) already takes {stored_bytes(0)} bytes; {remedies}, or use "
             "budget_unit=entries"
         )
     low, high = 0, upper  # invariant: stored_bytes(low) <= target

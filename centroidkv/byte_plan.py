@@ -51,7 +51,10 @@ def solve_byte_plan(cache: CompressedCache, layer: CompressedLayer) -> list[int]
         * sum(map(len, kept.values()))
         * (head_bytes(layer.n_seen) - RECORD_BYTES * n_records * layer.n_seen)
     )
-    fixed = fixed_bytes(cache, layer, n_heads, head_dim)
+    windows, fixed = (
+        window_layer_bytes(cache, layer, n_heads, head_dim),
+        fixed_bytes(cache, layer, n_heads, head_dim),
+    )
     full_len = layer.prompt_len + cache.max_new_tokens
     reference_entries = sum(cache.layer_entries(index, full_len) for index in range(n_layers))
     target = int(cache.budget * batch * n_heads * entry_bytes * reference_entries)
@@ -66,26 +69,35 @@ def solve_byte_plan(cache: CompressedCache, layer: CompressedLayer) -> list[int]
             heads * head_bytes(min(layer.n_seen, favoured_len(length, boost, full_len)))
             for heads, length in zip(boosted_heads, per_layer, strict=True)
         )
-        return fixed + kept_bytes + batch * heads_bytes
+        return windows + fixed + kept_bytes + batch * heads_bytes
 
     try:
-        total = solve_entries(stored_bytes, target, full_len, stored_besides(cache, kept_bytes, fixed))
+        besides = stored_besides(cache, kept_bytes, fixed, windows)
+        total = solve_entries(stored_bytes, target, full_len, besides)
     except ValueError as error:
         raise ValueError(f"{method.name} at budget {cache.budget:g} in bytes: {error}") from None
     return [method.layer_budget(total, index, n_layers) for index in range(n_layers)]
 
 
-def stored_besides(cache: CompressedCache, kept_bytes: int, fixed: int) -> tuple[str, str]:
+def stored_besides(cache: CompressedCache, kept_bytes: int, fixed: int, windows: int = 0) -> tuple[str, str]:
     """What a cache stores besides its compressed entries, in bytes, and what would lower it: heads
-    kept whole, the window of recent queries (SnapKV's `window_size`), other fixed buffers."""
+    kept whole, the window of recent queries (SnapKV's `window_size`), other fixed buffers, a hybrid
+    model's window layers (nothing lowers theirs but the budget)."""
     window = sum(cache.window_needs.values())
     named = f"the window of the last {window} queries (window_size)" if window else "fixed buffers"
-    parts = [(name, int(size)) for name, size in (("heads kept whole", kept_bytes), (named, fixed)) if size]
+    layers = sorted(cache.sliding_windows)
+    window_layers = f"the {len(layers)} sliding-window layers (layers {', '.join(map(str, layers))})"
+    parts = [
+        (name, int(size))
+        for name, size in (("heads kept whole", kept_bytes), (named, fixed), (window_layers, windows))
+        if size
+    ]
     remedies = ["keep fewer heads whole"] if kept_bytes else []
     remedies += ["lower window_size"] if window and fixed else []
+    remedy = ", ".join(remedies) if remedies or windows else "keep fewer heads whole"
     if len(parts) > 1:  # each part's share
-        return "; ".join(f"{name}: {size} bytes" for name, size in parts), ", ".join(remedies)
-    return (parts[0][0] if parts else "nothing"), ", ".join(remedies) or "keep fewer heads whole"
+        return "; ".join(f"{name}: {size} bytes" for name, size in parts), remedy
+    return (parts[0][0] if parts else "nothing"), remedy
 
 
 def head_bytes_of(
@@ -104,8 +116,21 @@ def head_bytes_of(
     return head_bytes
 
 
+def window_layer_bytes(cache: CompressedCache, layer: CompressedLayer, n_heads: int, head_dim: int) -> int:
+    """Bytes of a hybrid model's window layers (their last W - 1 tokens), stored whatever B is."""
+    entry_bytes = 2 * head_dim * layer.dtype.itemsize
+    seen = layer.n_seen
+    return (
+        layer.keys.shape[0]
+        * n_heads
+        * entry_bytes
+        * sum(cache.layer_entries(i, seen) for i in cache.sliding_windows)
+    )
+
+
 def fixed_bytes(cache: CompressedCache, layer: CompressedLayer, n_heads: int, head_dim: int) -> int:
-    """Bytes stored whatever B is: window records, window layers, head ids (module docstring)."""
+    """Bytes stored whatever B is besides the window layers (`window_layer_bytes`): window records and
+    head ids (module docstring)."""
     batch, itemsize, windows = layer.keys.shape[0], layer.dtype.itemsize, cache.sliding_windows
     kept = cache.heads_kept_whole()
     # (the model's query group: a plan solved before the first attention call knows it too)
@@ -116,7 +141,5 @@ def fixed_bytes(cache: CompressedCache, layer: CompressedLayer, n_heads: int, he
         if index not in windows
     )
     total = batch * window_rows * sum(cache.window_needs.values()) * head_dim * itemsize
-    entry_bytes = 2 * head_dim * itemsize
-    total += batch * n_heads * entry_bytes * sum(cache.layer_entries(i, layer.n_seen) for i in windows)
     id_bytes = torch.empty((), dtype=torch.long).element_size()
     return total + n_heads * id_bytes * sum(map(bool, cache.heads_listed().values()))

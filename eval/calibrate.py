@@ -33,7 +33,7 @@ from centroidkv.calibrate import (
     write_head_file,
 )
 from centroidkv.errors import first_line
-from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.model_names import EMBEDDED_MODEL, declared_positions
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -189,10 +189,13 @@ def check_window_fits(budget: float, n_tokens: int) -> None:
 
 def check_tokens_fit(name: str, n_tokens: int) -> None:
     """Raise one ValueError line when a window of `n_tokens` exceeds the positions of the model `name`
-    (known without loading it; a hub model not in the local cache is not checked)."""
-    from centroidkv.model_specs import max_positions
+    (known without loading it; a hub model not in the local cache is not checked). A wheel or folder
+    model's positions are read without torch (`declared_positions`), the others' with transformers."""
+    positions = declared_positions(name)
+    if positions is None:
+        from centroidkv.model_specs import max_positions
 
-    positions = max_positions(name)
+        positions = max_positions(name)
     if positions is not None and n_tokens > positions:
         raise ValueError(
             f"--tokens {n_tokens} exceeds {name}'s {positions} positions: give at most {positions}"
@@ -250,8 +253,7 @@ def _parser() -> argparse.ArgumentParser:
 def _checked(args: argparse.Namespace) -> tuple[str, Path]:
     """The model's name and the file to write, once every value is checked (ValueError, one line)."""
     from centroidkv.budget import check_budget
-    from centroidkv.model_names import TINY_MODELS, model_kind
-    from centroidkv.model_specs import canonical_model_name
+    from centroidkv.model_names import TINY_MODELS, canonical_model_name, model_kind
 
     kind = model_kind(args.model)
     name = canonical_model_name(args.model) if kind == "registered" else args.model
@@ -262,8 +264,8 @@ def _checked(args: argparse.Namespace) -> tuple[str, Path]:
         raise ValueError(f"--fraction must be in [0, 1], got {args.fraction!r}")
     if (args.prompts is not None and args.prompts < 1) or args.tokens < 1:
         raise ValueError("--prompts and --tokens must be >= 1")
-    check_window_fits(args.budget, args.tokens)
-    check_tokens_fit(name, args.tokens)
+    check_tokens_fit(name, args.tokens)  # torch-free for a wheel or folder model: before the next
+    check_window_fits(args.budget, args.tokens)  # (which reads CentroidKV's defaults, with torch)
     out = args.out or user_head_file(name, args.score)
     check_writable(out)
     return name, out

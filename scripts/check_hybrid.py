@@ -35,7 +35,9 @@ def main() -> None:
     from eval.text import essay_text
 
     model, tokenizer = load_model(args.model)
-    stock = AutoModelForCausalLM.from_pretrained(model.config.name_or_path, dtype=model.dtype)
+    stock = AutoModelForCausalLM.from_pretrained(
+        model.config.name_or_path, dtype=model.dtype, trust_remote_code=False
+    )
     stock.set_attn_implementation("sdpa")
     ids = tokenizer(essay_text(args.tokens, split="dev"), return_tensors="pt").input_ids[:, : args.tokens]
     windows = sliding_windows(model.config)

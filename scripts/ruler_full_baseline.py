@@ -37,9 +37,9 @@ def load(name: str):
 
         path = Path.home() / ".cache" / "centroidkv" / name
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa"
+            path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=False
         ).eval()
-        return model, AutoTokenizer.from_pretrained(path), "transformers sdpa"
+        return model, AutoTokenizer.from_pretrained(path, trust_remote_code=False), "transformers sdpa"
 
 
 def prompt_ids(tok, sample: dict) -> torch.Tensor:

@@ -22,6 +22,7 @@ from test_harness import config_error_line, run_cfg
 from test_job_safety import RUN, TINY, env, wait_for_records
 
 import centroidkv.models
+from centroidkv.wheel_models import WHEEL_MODELS
 from eval.records import JobMismatch, ResultsFolderError, check_results_folder, read_records
 from eval.run_config import ConfigError
 from eval.runner import config_yaml_of, run_job
@@ -308,6 +309,8 @@ class FakeGguf:
         for name in self.files:
             if name.endswith(".safetensors"):
                 save_file({"weight": torch.arange(1000, dtype=torch.float32)}, str(folder / name))
+            elif name == "config.json":  # the shape the wheel model declares (checked on each load)
+                (folder / name).write_text(json.dumps(WHEEL_MODELS["smollm2-135m"].declared_config))
             else:
                 (folder / name).write_text("{}")
             time.sleep(0.2)
