@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from centroidkv.measurements import table_measurements  # noqa: E402
+from eval.compact_store import FORMAT_VERSION, SUFFIX, read_compact  # noqa: E402
 from eval.job_store import iter_records  # noqa: E402
 from eval.records import CONFIG, KEY_FIELDS, RECORDS  # noqa: E402
 
@@ -39,8 +40,6 @@ TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_rati
                 "kept_every_token", "kv_allocated_ratio", "kv_ratio", "kv_masked", "split", "budget_unit",
                 "protocol", "context_length", "depth", "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
 COMPACT_FIELDS = tuple(dict.fromkeys((*KEY_FIELDS, *TABLE_FIELDS, *(m.name for m in table_measurements()))))
-FORMAT_VERSION = 1
-SUFFIX = ".jsonl.gz"  # results/<experiment>.jsonl.gz: beside the (generated, git-ignored) experiment folders
 
 
 def _commit() -> str | None:
@@ -92,12 +91,10 @@ def export(paths: list[Path], out: Path, command: str) -> int:
 
 def expand(compact: Path, folder: Path) -> list[Path]:
     """The compact file as job folders under `folder` (<experiment>/<job>/records.jsonl + config.yaml
-    with the job's identity); returns the job folders. ValueError (one line) for a file not made by
-    `export`."""
-    with gzip.open(compact, "rt", encoding="utf-8") as handle:
-        header, *records = (json.loads(line) for line in handle if line.strip())
-    if not isinstance(header, dict) or header.get("compact") != FORMAT_VERSION:
-        raise ValueError(f"{compact} is not a compact records file (version {FORMAT_VERSION})")
+    with the job's identity); returns the job folders. Every line is checked before anything is
+    written (`eval.compact_store.read_compact`: a record never names a folder outside `folder`);
+    CompactError, a ValueError of one line, for a file not made by `export`."""
+    header, records = read_compact(compact)
     by_job: dict[str, list[str]] = {}
     for record in records:
         by_job.setdefault(f"{record['experiment']}/{record['job']}", []).append(json.dumps(record) + "\n")
@@ -160,14 +157,31 @@ def main(argv: list[str] | None = None) -> int:
         elif args.out and len(args.compact) > 1:
             raise ValueError("--out takes one compact file's tables; give one file or no --out")
         else:
-            for compact in args.compact:
-                out = args.out or default_tables_folder(compact)
-                written = tables_from_compact(compact, out, figures=not args.no_figures)
-                print(f"[tables] {len(written)} files from {compact} (tables and figures under {out.parent})")
+            publish(args.compact, args.out, figures=not args.no_figures)
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def publish(compacts: list[Path], out: Path | None, figures: bool) -> None:
+    """The tables (and figures) of every compact file: each file checked first, so that a bad one
+    stops the command before anything is written; one line per table and figure written, then the
+    count."""
+    for compact in compacts:
+        read_compact(compact)
+    tables = drawn = 0
+    for compact in compacts:
+        written = tables_from_compact(compact, out or default_tables_folder(compact), figures)
+        by_stem: dict[Path, list[Path]] = {}  # a table's .md and .tex, a figure's .png and .pdf
+        for path in written:
+            by_stem.setdefault(path.with_suffix(""), []).append(path)
+        for first, *others in by_stem.values():
+            is_table = first.suffix == ".md"
+            tables, drawn = tables + is_table, drawn + (not is_table)
+            also = f" (and {', '.join(other.suffix for other in others)})" if others else ""
+            print(f"[{'table' if is_table else 'figure'}] {first}{also}")
+    print(f"[published] {tables} tables and {drawn} figures from {len(compacts)} compact files")
 
 
 if __name__ == "__main__":

@@ -433,18 +433,19 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     return tables
 
 
-def write_tables(df: pd.DataFrame, out: Path) -> list[Path]:
+def write_tables(df: pd.DataFrame, out: Path, echo: bool = False) -> list[Path]:
     """Tables per experiment (file names prefixed by the experiment, `safe_name`, when there are
-    several), each written directly in `out`, never through a link (`output_path`)."""
+    several), each written directly in `out`, never through a link (`output_path`); `echo`: each
+    table's Markdown printed too."""
     output_folder(out)
     written = []
     several = df["experiment"].nunique() > 1
     for experiment, part in df.groupby("experiment"):
-        written += _write(part, out, f"{safe_name(experiment)}_" if several else "")
+        written += _write(part, out, f"{safe_name(experiment)}_" if several else "", echo)
     return written
 
 
-def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
+def _write(df: pd.DataFrame, out: Path, prefix: str, echo: bool) -> list[Path]:
     written = []
     for name, (caption, table, digits) in make_tables(df).items():
         name = prefix + name
@@ -455,7 +456,8 @@ def _write(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             path = output_path(out, f"{name}{suffix}")
             write_text(path, text)
             written.append(path)
-        print(markdown)
+        if echo:
+            print(markdown)
     return written
 
 
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent) / "tables"
     try:
-        written = write_tables(df, out)
+        written = write_tables(df, out, echo=True)
     except OutputError as error:
         print(error, file=sys.stderr)
         return 2

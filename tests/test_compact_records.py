@@ -46,7 +46,9 @@ def test_export_then_tables_round_trip_and_a_wrong_file_is_one_line(tmp_path, ca
     with gzip.open(bad, "wt") as handle:
         handle.write('{"not": "compact"}\n')
     assert compact_records.main(["tables", str(bad)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: {bad} is not a compact records file (version 1)"
+    assert capsys.readouterr().err.strip() == (
+        f"error: {bad} line 1: not a compact records file (a first line with compact: 1)"
+    )
     with pytest.raises(ValueError):
         compact_records.expand(bad, tmp_path / "x")
 
