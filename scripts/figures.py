@@ -45,6 +45,7 @@ from centroidkv.methods import method_label  # noqa: E402
 from centroidkv.parsing import is_number  # noqa: E402
 from eval.benchmarks import Report, benchmark_report  # noqa: E402
 from eval.records import RECORDS, differing_keys  # noqa: E402
+from scripts.captions import head_policies, samples_per_cell  # noqa: E402
 from scripts.figure_styles import (  # noqa: E402
     FULL_MARKER,
     PRECISION_MARKERS,
@@ -112,9 +113,8 @@ def _subtitle(df: pd.DataFrame) -> str:
     lengths = ", ".join(
         f"{int(x) // 1024}k" if x >= 1024 else str(int(x)) for x in sorted(df["length"].dropna().unique())
     )
-    n = df[df["ok"]].groupby(["task", "label", "budget"]).size()
-    per_task = f"{int(n.min())}" if n.min() == n.max() else f"{int(n.min())}-{int(n.max())}"
-    return f"{models}, context {lengths} tokens, {per_task} sample{'s' if per_task != '1' else ''} per task"
+    policies = textwrap.fill(head_policies(df), width=80)  # the figure's width
+    return f"{models}, context {lengths} tokens, {samples_per_cell(df)}\n{policies}"
 
 
 def _accuracy_axes(
@@ -257,7 +257,7 @@ def _heatmap(scored: pd.DataFrame, report: Report, out: Path, name: str) -> list
         ax.axis("off")
     fig.suptitle(
         f"{report.title}: retrieval score (0-100) by needle depth and context length\n"
-        f"{', '.join(sorted(scored['model'].unique()))}",
+        f"{', '.join(sorted(scored['model'].unique()))}; {head_policies(scored)}",
         fontsize=11,
     )
     if image is not None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from centroidkv.heads import HEAD_POLICIES  # noqa: E402
 from scripts.ranking import bootstrap, p_above, resolved_words  # noqa: E402
 from scripts.table_files import write_text  # noqa: E402
-from scripts.table_text import to_markdown  # noqa: E402
+from scripts.table_text import markdown_block  # noqa: E402
 from scripts.tables import load_or_error  # noqa: E402
 
 CLUSTERING = "centroidkv"
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "heads"
             else f"What clustering adds over each method's best head policy at budget {budget} ({n_samples} samples)"
         )
-        parts.append(f"**{caption}**\n\n{to_markdown(table, 1, bold_best=False)}\n")
+        parts.append(markdown_block(caption, table, 1, bold_best=False))
     text = "\n".join(parts)
     print(text)
     out = args.out or args.results / "tables"

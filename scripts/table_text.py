@@ -1,9 +1,10 @@
 """A table as Markdown or LaTeX text: cells formatted per column (counts whole, KV ratios with two
-digits), the top tier in bold, every LaTeX special character of a record's field escaped."""
+digits), the top tier in bold, every Markdown or LaTeX special character of a record's field escaped."""
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -50,13 +51,38 @@ def _row_cells(
     return cells
 
 
-def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
+# What a record's text could do in a Markdown table: end its cell (|), escape the next character (a
+# backslash), open an HTML tag or autolink (a < before a letter, /, ! or ?; the > that closes it).
+# A < or > beside a space or = ("P(> next) >= 0.9", "3 < 10") can open nothing and is kept as it is.
+MARKDOWN_SPECIALS = [(re.compile(r"\\"), r"\\\\"), (re.compile(r"\|"), r"\\|"),
+                     (re.compile(r"<(?=[A-Za-z/!?])"), "&lt;"), (re.compile(r">(?![\s=])"), "&gt;")]  # fmt: skip
 
-    header = [table.index.name or ""] + list(map(str, table.columns))
+
+def markdown_escape(text: object) -> str:
+    """`text` (made a string) as one table cell or caption line: line breaks become spaces, and what
+    MARKDOWN_SPECIALS names, and a leading #, printed as itself, so that a record's field (a variant
+    `x<script>...</script>|y|` + newline + `## H`) stays inside its cell."""
+    escaped = " ".join(str(text).splitlines())
+    for special, printed in MARKDOWN_SPECIALS:
+        escaped = special.sub(printed, escaped)
+    return "\\" + escaped if escaped.startswith("#") else escaped
+
+
+def markdown_block(caption: str, table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
+    """The caption in bold, a blank line, the table: a tables/*.md file's text."""
+    return f"**{markdown_escape(caption)}**\n\n{to_markdown(table, digits, bold_best)}\n"
+
+
+def to_markdown(table: pd.DataFrame, digits: int = 1, bold_best: bool = True) -> str:
+    """The table in Markdown, every header, label and cell through `markdown_escape`."""
+    header = [markdown_escape(table.index.name or "")] + [markdown_escape(c) for c in table.columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * len(table.columns)) + "|"]
     best = bolded(table) if bold_best else {}
     for label, row in table.iterrows():
-        cells = [str(label), *_row_cells(table, label, row, best, digits, "**{}**")]
+        cells = [
+            markdown_escape(label),
+            *_row_cells(table, label, row, best, digits, "**{}**", markdown_escape),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

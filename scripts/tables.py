@@ -34,9 +34,10 @@ from eval.dedup import drop_repeated_records  # noqa: E402
 from eval.job_store import iter_records  # noqa: E402
 from eval.machine_load import load_note  # noqa: E402
 from eval.records import differing_keys  # noqa: E402
+from scripts.captions import records_words  # noqa: E402
 from scripts.ranking import MIN_SAMPLES, RESOLVED, count_words, ranking_table, top_tier, unresolved_words  # noqa: E402
 from scripts.table_files import OutputError, output_folder, output_path, safe_name, write_text  # noqa: E402
-from scripts.table_text import to_latex, to_markdown  # noqa: E402
+from scripts.table_text import markdown_block, to_latex  # noqa: E402
 
 # Identity keys that never split a row. Each one only says where a job's results go, or only chooses
 # which samples run while every record names the sample it holds (the benchmarks' `sample_choice`:
@@ -362,7 +363,7 @@ def _ranking(
     few samples to resolve their order."""
     caption = (
         f"{what} by average score with 95 % bootstrap intervals (paired over samples), "
-        f"{models}, context {lengths} tokens; resolved: whether a row's lead over the next one "
+        f"{models}, context {lengths} tokens{records_words(part)}; resolved: whether a row's lead over the next one "
         f"would survive new samples (P(> next) >= {RESOLVED:g} and at least {MIN_SAMPLES} samples)"
     )
     ranking = ranking_table(part, budgets)
@@ -386,7 +387,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
         report = benchmark_report(bench)
         names, title = report.task_labels, report.title
         models = ", ".join(sorted(part["model"].dropna().unique()))
-        lengths = ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
+        lengths = _lengths(part)
         budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
         averages = {}
         for budget in budgets or [1.0]:
@@ -397,6 +398,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             table = score_table(part, budget, names)
             n_least = int(table["n"].min()) if table["n"].notna().any() else 0  # per row: the fewest samples
             warning = unresolved_words(n_least) if budgets else ""
+            caption += records_words(part[(part["budget"] == budget) | (part["method"] == "full")])
             caption += f". Warning: {warning}" if warning else ""
             caption += MISSING_REFERENCE if budgets and not (part["method"] == "full").any() else ""
             tier = top_tier(part, budget) if budgets else set()
@@ -409,6 +411,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
             summary.index.name = "Method"
             n_tasks = count_words(part["task"].nunique(), "task")
             caption = f"{title} average over {n_tasks} per budget, {models}, context {lengths} tokens"
+            caption += records_words(part)
             warning = unresolved_words(min(n for _, _, n in averages.values()))
             caption += f". Warning: {warning}" if warning else ""
             tables[f"{safe_name(bench)}_summary"] = (caption, summary, 1)
@@ -419,18 +422,24 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))
-        caption = f"Mean of each measurement per record, {models}{load_note(df.to_dict('records'))}"
+        caption = f"Mean of each measurement per record, {models}, context {_lengths(df)} tokens"
+        caption += records_words(df) + load_note(df.to_dict("records"))
         tables["measurements"] = (caption, measured, 2)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
     if not timed.empty and timed["length"].nunique() > 1:
         models = ", ".join(sorted(timed["model"].dropna().unique()))
         tables["speed"] = (
             f"Decoding time per token, time to first token and KV cache size, {models}"
+            + records_words(timed)
             + load_note(timed.to_dict("records")),
             speed_table(timed),
             2,
         )
     return tables
+
+
+def _lengths(part: pd.DataFrame) -> str:
+    return ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
 
 
 def write_tables(df: pd.DataFrame, out: Path, echo: bool = False) -> list[Path]:
@@ -450,7 +459,7 @@ def _write(df: pd.DataFrame, out: Path, prefix: str, echo: bool) -> list[Path]:
     for name, (caption, table, digits) in make_tables(df).items():
         name = prefix + name
         bold_best = not name.endswith(("speed", "ranking", "measurements"))
-        markdown = f"**{caption}**\n\n{to_markdown(table, digits, bold_best)}\n"
+        markdown = markdown_block(caption, table, digits, bold_best)
         latex = to_latex(table, caption, digits, bold_best) + "\n"
         for suffix, text in ((".md", markdown), (".tex", latex)):
             path = output_path(out, f"{name}{suffix}")
