@@ -3,7 +3,9 @@
     python -m eval.results [DIR] [--sync-hint]
 
 DIR (default `results`) is a results folder (`<DIR>/<experiment>/<job>/`), one experiment's folder,
-or one job's folder. Each job shows its experiment and job name, its methods (variants) each with
+or one job's folder; in a results folder, the jobs of each compact records file too
+(`<DIR>/<name>.jsonl.gz`, what `make published` makes its tables and figures from), with the status
+`published` and the folder of its tables (or `compact` before `make published`). Each job shows its experiment and job name, its methods (variants) each with
 the mean score of its records that succeeded at each budget (`snapkv 0.0@0.25 33.3@0.5`; the full
 cache first), the parameters that set what
 its numbers mean (model, benchmark, split, samples per task, budget unit), the budgets of its
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.compact_store import SUFFIX, CompactError, read_compact
 from eval.job_store import JobStore, _alive, _holder
 from eval.records import CONFIG, DONE, LOCK, RECORDS, scan_records
 
@@ -69,8 +72,44 @@ def job_status(job_dir: Path) -> str:
 
 def summarize(job_dir: Path) -> JobSummary:
     """The summary of one job folder, from its records and the identity in its config.yaml."""
-    records = scan_records(job_dir / RECORDS).records
-    identity = JobStore(job_dir).saved_identity() or {}
+    summary = summarize_records(
+        scan_records(job_dir / RECORDS).records,
+        JobStore(job_dir).saved_identity() or {},
+        experiment=job_dir.parent.name,
+        job=job_dir.name,
+        status=job_status(job_dir),
+    )
+    summary.offline_runs = sorted(path for path in (job_dir / "wandb").glob("offline-run-*") if path.is_dir())
+    return summary
+
+
+def compact_jobs(root: Path) -> list[JobSummary]:
+    """The jobs of each compact records file directly in `root` (`<root>/<name>.jsonl.gz`), each with
+    the status `published (<its tables folder>)` once `make published` wrote it, else `compact`. A
+    file that is not a compact records file is one line on stderr, and left out."""
+    jobs = []
+    for compact in sorted(root.glob(f"*{SUFFIX}")):
+        try:
+            header, records = read_compact(compact)
+        except CompactError as error:
+            print(f"[results] skipped: {error}", file=sys.stderr)
+            continue
+        tables = root / compact.name.removesuffix(SUFFIX) / "tables"
+        status = f"published ({tables})" if tables.is_dir() else "compact"
+        by_job: dict[str, list[dict[str, Any]]] = {}
+        for record in records:
+            by_job.setdefault(f"{record['experiment']}/{record['job']}", []).append(record)
+        for name, job_records in by_job.items():
+            experiment, job = name.split("/")
+            identity = header["identities"].get(name) or {}
+            jobs.append(summarize_records(job_records, identity, experiment, job, status))
+    return jobs
+
+
+def summarize_records(
+    records: list[dict[str, Any]], identity: dict[str, Any], experiment: str, job: str, status: str
+) -> JobSummary:
+    """The summary of one job's records and saved identity."""
     first = records[0] if records else {}
     parameters = {
         "model": identity.get("model.name", first.get("model")),
@@ -95,8 +134,8 @@ def summarize(job_dir: Path) -> JobSummary:
     if not methods:  # no record yet: the variants named in the identity (methods.<variant>.method)
         methods = list(dict.fromkeys(key.split(".")[1] for key in identity if key.startswith("methods.")))
     return JobSummary(
-        experiment=job_dir.parent.name,
-        job=job_dir.name,
+        experiment=experiment,
+        job=job,
         methods=methods,
         parameters={key: value for key, value in parameters.items() if value is not None},
         budgets=sorted(budgets),
@@ -106,9 +145,8 @@ def summarize(job_dir: Path) -> JobSummary:
             variant: {budget: sum(s) / len(s) for budget, s in sorted(by_budget.items())}
             for variant, by_budget in scores.items()
         },
-        status=job_status(job_dir),
+        status=status,
         references=[variant for variant in methods if first_seen.get(variant)],
-        offline_runs=sorted(path for path in (job_dir / "wandb").glob("offline-run-*") if path.is_dir()),
     )
 
 
@@ -174,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {root} is not a folder", file=sys.stderr)
         return 2
     jobs = [summarize(job_dir) for job_dir in job_folders(root)]
+    ran = {(job.experiment, job.job) for job in jobs}  # a job folder's records over its compact copy
+    jobs += [job for job in compact_jobs(root) if (job.experiment, job.job) not in ran]
+    jobs.sort(key=lambda job: (job.experiment, job.job))
     if not jobs:
         print(f"no jobs under {root}")
         return 0

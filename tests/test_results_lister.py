@@ -122,3 +122,37 @@ def test_the_lister_never_imports_torch_once_the_schema_is_cached(tmp_path):
         [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, check=True
     )
     assert shown.stdout.splitlines()[-1] == "False" and "full 100.0, snapkv 0.0@0.25" in shown.stdout
+
+
+def test_the_lister_lists_every_job_of_the_compact_files_before_and_after_make_published(tmp_path, capsys):
+    """Issue 54, item 2. Before: after `rm -rf results/*/ && make published`, `python -m eval.results`
+    said "no jobs under results": it read job folders only. Now each compact file's jobs are listed,
+    `compact` until `make published` wrote their tables, then `published (<tables folder>)`; a job
+    folder of the same job is listed once, from its own records."""
+    from scripts.compact_records import main as compact_main
+
+    root = Path(__file__).resolve().parent.parent / "results"
+    for name in ("tiny_example.jsonl.gz", "reproduce_ruler_cpu.jsonl.gz"):
+        (tmp_path / name).write_bytes((root / name).read_bytes())
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[:2] for line in lines] == [
+        ["reproduce_ruler_cpu", "ruler-9methods-0.125+0.25+0.5+0.75-a03441"],
+        ["tiny_example", "toy-3methods-0.25+0.5-11e91c"],
+    ]
+    assert all(line.endswith("compact") for line in lines)
+    assert "full 63.0, centroidkv 70.0@0.125 66.0@0.25 62.0@0.5 65.0@0.75" in lines[0]
+    assert compact_main(["tables", *map(str, sorted(tmp_path.glob("*.jsonl.gz"))), "--no-figures"]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 2 and lines[1].endswith(f"published ({tmp_path / 'tiny_example' / 'tables'})")
+    write_job(tmp_path / "tiny_example" / "toy-3methods-0.25+0.5-11e91c", [record("full", 1.0)])
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == 2 and lines[1].split()[:3] == [
+        "tiny_example",
+        "toy-3methods-0.25+0.5-11e91c",
+        "full",
+    ]
+    assert lines[1].endswith("stopped")
