@@ -204,7 +204,10 @@ def test_bad_parameters_rejected_with_one_clear_line(name):
         with pytest.raises(ValueError) as error:
             get_method(name, **params)
         message = str(error.value)
-        assert word in message and name in message and "\n" not in message, message
+        assert word in message and name in message and "\n" not in message, (
+            f"get_method({name!r}, **{params}) must refuse with one ValueError line naming the method "
+            f"and {word!r} (README.md, Extending); got {message!r}"
+        )
 
 
 def own_docstring(cls: type) -> str:
@@ -217,19 +220,33 @@ def own_docstring(cls: type) -> str:
     return text
 
 
-def documents_paper_and_parameters(cls: type) -> bool:
-    """A compressing method's docstring cites its paper (`Paper:` or an arXiv id) and states its
-    parameters; the full cache only needs a docstring of its own."""
+# What a method file's docstring must hold (README.md, "Extending"): each rule in words, and its check.
+ARXIV_ID = re.compile(r"arXiv[: ]*\d{4}\.\d{4,5}")
+DOCSTRING_RULES = (
+    ("cite its paper (a `Paper:` line, or an arXiv id such as arXiv:2506.11418)",
+     lambda text: "Paper:" in text or ARXIV_ID.search(text) is not None),
+    ("have a `Parameters` section (its fields and what each does)", lambda text: "Parameters" in text),
+)  # fmt: skip
+
+
+def broken_docstring_rules(cls: type) -> list[str]:
+    """The rules (DOCSTRING_RULES) a method's own docstring (`own_docstring`) breaks, in words: a
+    compressing method's must cite its paper and state its parameters; the full cache's needs only
+    to exist."""
     text = own_docstring(cls)
-    if not cls.compresses:
-        return bool(text)
-    cites = "Paper:" in text or re.search(r"arXiv[: ]*\d{4}\.\d{4,5}", text) is not None
-    return cites and "Parameters" in text
+    if not text:
+        return ["have a docstring of its own (the class's, or its module's)"]
+    return [rule for rule, holds in DOCSTRING_RULES if not holds(text)] if cls.compresses else []
 
 
 @pytest.mark.parametrize("name", method_names())
 def test_every_method_documents_its_paper_and_parameters(name):
-    assert documents_paper_and_parameters(method_class(name)), own_docstring(method_class(name))[:200]
+    cls = method_class(name)
+    broken = broken_docstring_rules(cls)
+    assert not broken, (
+        f"{cls.__module__}.{cls.__name__}: a method's docstring (the class's or its module's) must "
+        f"{' and '.join(broken)} (README.md, Extending)"
+    )
 
 
 def test_the_docstring_check_rejects_an_undocumented_method():
@@ -244,7 +261,26 @@ def test_the_docstring_check_rejects_an_undocumented_method():
 
     assert Undocumented.__doc__ and "window" in Undocumented.__doc__
     Undocumented.__module__ = "types"  # a module whose docstring cites no paper
-    assert not documents_paper_and_parameters(Undocumented)
+    assert broken_docstring_rules(Undocumented) == [rule for rule, _ in DOCSTRING_RULES]
+
+
+def test_the_docstring_check_names_the_rule_a_method_breaks():
+    """Issue 54, item 5. Before: a method whose docstring lacked a Parameters section failed with its
+    own docstring echoed ("Keep the target_len entries ... Paper: none."), not the rule it broke."""
+    from dataclasses import dataclass
+
+    from centroidkv.methods import Method
+
+    @dataclass
+    class NoParameters(Method):
+        """Keep the target_len entries with the largest key norm. Paper: none."""
+
+        name = "no_parameters"
+        window: int = 3
+
+    assert broken_docstring_rules(NoParameters) == [
+        "have a `Parameters` section (its fields and what each does)"
+    ]
 
 
 def test_pyramidkv_budgets_decrease_and_keep_the_total():
