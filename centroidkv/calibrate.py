@@ -234,8 +234,8 @@ class CalibrationMissing(ValueError):
     def __init__(self, model_name: str, path: Path, score: str = "clustering"):
         super().__init__(
             f"no {score} head calibration for {model_name!r} ({path}); run "
-            f"`python -m eval.calibrate --model {shlex.quote(model_name)} --score {score}` first, or use "
-            "heads=none"
+            f"`python -m eval.calibrate --model {shlex.quote(model_name)} --score {score}` first (it runs "
+            "the model on a few dev prompts: minutes, depending on the machine), or use heads=none"
         )
         self.model_name, self.path, self.score = model_name, path, score
 
@@ -274,18 +274,40 @@ def listed_heads_for(
         raise ValueError("a head policy needs the model (a cache on a model prepared by centroidkv)")
     name = getattr(model, "centroidkv_name", "")
     shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
-    if round(fraction * shape[0] * shape[1]) == 0:  # no head to list: nothing to read or calibrate
+    path = needed_head_file(name, shape, source, fraction)
+    if path is None:  # no head to list: nothing to read or calibrate
         return {}
-    if str(source) in HEAD_SCORES:
-        path = head_file_for(name, str(source))
-        if path is None:
-            raise CalibrationMissing(name, user_head_file(name, str(source)), str(source))
-    else:
-        path = Path(source)
     data = read_head_file(path)
     check_head_file(path, data, name, shape)
     warn_if_settings_differ(path, data, settings)
     return worst_heads(data["errors"], fraction)
+
+
+def needed_head_file(
+    model_name: str, shape: tuple[int, int], source: str | Path, fraction: float
+) -> Path | None:
+    """The head file a policy listing `fraction` of the heads of a model of `shape` (layers, KV heads)
+    reads from `source` (a score or a path); None when that fraction lists no head. A score without its
+    file raises `CalibrationMissing` (one line)."""
+    if round(fraction * shape[0] * shape[1]) == 0:
+        return None
+    if str(source) not in HEAD_SCORES:
+        return Path(source)
+    path = head_file_for(model_name, str(source))
+    if path is None:
+        raise CalibrationMissing(model_name, user_head_file(model_name, str(source)), str(source))
+    return path
+
+
+def check_calibrated(method, model_name: str) -> None:
+    """Before `model_name` is installed, converted or loaded: `CalibrationMissing` (one line) when
+    `method`'s head policy needs a head file of it that is not there. A model whose shape is not known
+    without loading it (`centroidkv.model_specs.model_shape`) is checked when it loads instead."""
+    from centroidkv.model_specs import model_shape
+
+    shape = model_shape(model_name)
+    if method.lists_heads and shape is not None:
+        needed_head_file(model_name, shape, method.heads_file, method.heads_fraction)
 
 
 def write_head_file(data: dict, path: Path) -> Path:
