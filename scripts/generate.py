@@ -47,7 +47,7 @@ from centroidkv.model_names import (  # noqa: E402
 from centroidkv.parsing import split_top_level  # noqa: E402
 from centroidkv.prompt_fit import check_fits, prompt_length, truncate_context  # noqa: E402
 from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS  # noqa: E402
-from centroidkv.schema import check_method_spec, config_schema  # noqa: E402
+from centroidkv.schema import cached_schema, check_method_spec  # noqa: E402
 
 # Torch and transformers (the model, the methods) are imported in the functions below, once the
 # request is known to be good (`centroidkv.generate` imports them only where it runs a prompt).
@@ -114,12 +114,21 @@ def read_questions(values: list[str]) -> list[str]:
     return questions
 
 
+def _methods_epilog() -> str:
+    """The registered methods for --help, from the cached schema: --help never waits for torch (the
+    first run with --methods builds and caches the schema)."""
+    schema = cached_schema()
+    if schema is None:
+        return "methods: listed here once a run has checked --methods (which caches the method schema)"
+    return f"methods: {', '.join(schema['methods'])}"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python scripts/generate.py",
         description="Put one prompt through several KV-cache compression methods from one prefill.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=f"methods: {', '.join(config_schema()['methods'])}",
+        epilog=_methods_epilog(),
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--context", help="the context: a file, or - for stdin")
