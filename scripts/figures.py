@@ -113,7 +113,7 @@ def _subtitle(df: pd.DataFrame) -> str:
     lengths = ", ".join(
         f"{int(x) // 1024}k" if x >= 1024 else str(int(x)) for x in sorted(df["length"].dropna().unique())
     )
-    policies = textwrap.fill(head_policies(df), width=80)  # the figure's width
+    policies = textwrap.fill(head_policies(df), width=80, break_on_hyphens=False)  # the figure's width
     return f"{models}, context {lengths} tokens, {samples_per_cell(df)}\n{policies}"
 
 
@@ -411,7 +411,9 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
                 panels.append((method, rows, labels, keys))
         if not panels:
             continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.4), squeeze=False)
+        title = f"{benchmark_title(benchmark)}: score vs swept parameters\n{_subtitle(part)}"
+        height = 3.8 + 0.2 * title.count("\n")  # room for the title's lines (the head policies wrap)
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
         full = avg[avg["method"] == "full"].groupby("label", sort=False)["score"].mean()
         styles = label_styles(part)
         params_of = dict(zip(part["method"], part["params"], strict=False))
@@ -434,9 +436,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
             ax.legend(fontsize=8)
             swept = ", ".join(names[k] for k in keys) if len(keys) <= 2 else "configuration"
             ax.set_title(f"{method_label(method)}: score vs {swept}", fontsize=10)
-        fig.suptitle(
-            f"{benchmark_title(benchmark)}: score vs swept parameters\n{_subtitle(part)}", fontsize=10
-        )
+        fig.suptitle(title, fontsize=10)
         fig.tight_layout()
         paths += _save(fig, out, f"{prefix}{safe_name(benchmark)}_score_vs_param")
     return paths
