@@ -412,7 +412,7 @@ def score_vs_param(df: pd.DataFrame, out: Path, prefix: str) -> list[Path]:
         if not panels:
             continue
         title = f"{benchmark_title(benchmark)}: score vs swept parameters\n{_subtitle(part)}"
-        height = 3.8 + 0.2 * title.count("\n")  # room for the title's lines (the head policies wrap)
+        height = 4.4 + 0.25 * (title.count("\n") - 1)  # room for the title's lines (the head policies wrap)
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
         full = avg[avg["method"] == "full"].groupby("label", sort=False)["score"].mean()
         styles = label_styles(part)
