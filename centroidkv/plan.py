@@ -132,6 +132,11 @@ class Run:
     method: Method
     budget: float
 
+    @classmethod
+    def at(cls, method: Method, budget: float) -> Run:
+        """`method` at `budget`, or at 1 when it keeps every entry (the full cache has no budget)."""
+        return cls(method, budget if method.compresses else 1.0)
+
 
 @dataclass
 class Outcome:
@@ -476,20 +481,27 @@ def _free_memory(device: torch.device) -> None:
 
 
 def warm_up(
-    model: nn.Module, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 256
+    model: nn.Module,
+    methods: Iterable[Method | str] = ("centroidkv",),
+    budget: float = 0.5,
+    budget_unit: str | None = None,
+    prompt_len: int = 256,
 ) -> float:
     """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
-    fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
-    is several times slower than the next ones), through the per-prompt plan (`run`).
-    Returns the seconds it took. The runner does the same per job (`warmup: true`)."""
+    fork + a few decode steps per method at `budget` (the caller's: the user's budget), through the
+    per-prompt plan (`run`). Default: CentroidKV, whose first compression in a process is several
+    times slower than the next ones. A warm-up never fails: a method that cannot run on the short
+    synthetic prompt (a budget its window layers alone exceed there) is simply not warmed, and its
+    real run reports its own error. Returns the seconds it took. The runner does the same per job
+    (`warmup: true`)."""
     from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
 
     start = time.perf_counter()
-    built = [get_method(m) if isinstance(m, str) else m for m in methods]
+    runs = [Run.at(get_method(m) if isinstance(m, str) else m, budget) for m in methods]
     device = next(model.parameters()).device
     ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
-    prompt = Prompt(ids, [], ids, [])
-    for outcome in run(model, prompt, [Run(m, 0.5) for m in built], 4, eos_token_ids=set(), decode_batch=1):
-        if outcome.error is not None:
-            raise outcome.error
+    try:  # each run's error stays in its outcome, dropped here; only a failing prefill raises
+        run(model, Prompt(ids, [], ids, []), runs, 4, set(), budget_unit, decode_batch=1)
+    except Exception:  # the same prefill fails again in the real run, which reports it
+        _free_memory(device)
     return time.perf_counter() - start
