@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from test_hybrid_attention import tiny_gemma3
+from transformers import Gemma3ForCausalLM
 
 from centroidkv import get_method, prepare_model
 from centroidkv.generate import generate
@@ -27,20 +28,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def hybrid(tokenizer) -> Gemma3ForCausalLM:
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=2048,
-    )
-    model = Gemma3ForCausalLM(config).eval()
-    model.set_attn_implementation("eager")
+    model = tiny_gemma3(vocab_size=len(tokenizer), sliding_window=WINDOW, max_position_embeddings=2048)
+    model.eval().set_attn_implementation("eager")
     return prepare_model(model)
 
 
