@@ -46,7 +46,7 @@ from centroidkv.decoding import (
     start_fork,
 )
 from centroidkv.measurements import COMPRESSED, RunState, measure
-from centroidkv.methods import Method
+from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS
 from centroidkv.run_options import (  # noqa: F401
     CONTEXT_ONLY,
@@ -133,8 +133,7 @@ class Run:
     budget: float
 
     @classmethod
-    def at(cls, method: Method, budget: float) -> Run:
-        """`method` at `budget`, or at 1 when it keeps every entry (the full cache has no budget)."""
+    def at(cls, method: Method, budget: float) -> Run:  # the full cache keeps every entry: R = 1
         return cls(method, budget if method.compresses else 1.0)
 
 
@@ -487,21 +486,15 @@ def warm_up(
     budget_unit: str | None = None,
     prompt_len: int = 256,
 ) -> float:
-    """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
-    fork + a few decode steps per method at `budget` (the caller's: the user's budget), through the
-    per-prompt plan (`run`). Default: CentroidKV, whose first compression in a process is several
-    times slower than the next ones. A warm-up never fails: a method that cannot run on the short
-    synthetic prompt (a budget its window layers alone exceed there) is simply not warmed, and its
-    real run reports its own error. Returns the seconds it took. The runner does the same per job
-    (`warmup: true`)."""
-    from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
-
+    """Pay a process's one-time costs before timing (a first compression is several times slower than
+    the next): a tiny prefill, then per method (default CentroidKV) a fork compressed at the caller's
+    `budget` and a few decode steps, through `run`. Never fails: a method that cannot run on this short
+    prompt is not warmed (its real run reports its own error). Returns the seconds it took."""
     start = time.perf_counter()
     runs = [Run.at(get_method(m) if isinstance(m, str) else m, budget) for m in methods]
-    device = next(model.parameters()).device
-    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
-    try:  # each run's error stays in its outcome, dropped here; only a failing prefill raises
+    ids = (torch.arange(prompt_len) % (model.config.vocab_size - 10) + 10).tolist()
+    try:  # a run's error stays in its outcome (dropped); a failing prefill fails the real run too
         run(model, Prompt(ids, [], ids, []), runs, 4, set(), budget_unit, decode_batch=1)
-    except Exception:  # the same prefill fails again in the real run, which reports it
-        _free_memory(device)
+    except Exception:
+        _free_memory(next(model.parameters()).device)
     return time.perf_counter() - start
