@@ -426,11 +426,14 @@ FORK_NEEDS_FIX = (
 def storage_bytes(tensors: list[Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`: a view counts the whole storage it keeps
     alive (a buffer's headroom, a source cache's buffer a fork shares), each storage once."""
-    storages = {}
+    storages, unplaced = {}, 0
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+        if storage.data_ptr() == 0:  # no memory to tell apart (a meta-device tensor): its own size
+            unplaced += tensor.numel() * tensor.element_size()
+        else:
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values()) + unplaced
 
 
 def query_rows(window: Tensor, kv_heads: Tensor, n_kv_heads: int) -> Tensor:
