@@ -18,7 +18,7 @@ favoured. In entries, heads kept whole are on top of B (as in the paper); in byt
 
 Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
 buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
-`kv_capacity_bytes()` the buffers; `CompressedCache(in_place=False)` concatenates instead.
+`kv_capacity_bytes()` all the storage behind them; `CompressedCache(in_place=False)` concatenates.
 
 Two lengths are kept apart: `get_seq_length()` reports the tokens *seen* (transformers derives
 position ids from it, and new tokens must keep their original positions), while the physical length
@@ -42,7 +42,7 @@ from centroidkv.budget import (
     check_budget_unit,
 )
 from centroidkv.byte_plan import solve_byte_plan
-from centroidkv.head_group import HeadGroup
+from centroidkv.head_group import HeadGroup, storage_bytes
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
 from centroidkv.quantization import StorageFormat
@@ -150,8 +150,8 @@ class CompressedLayer(DynamicLayer):
         self.main.protected_windows()
 
     def capacity_bytes(self) -> int:
-        """Bytes of the buffers behind this layer's stored tensors (live entries plus headroom)."""
-        return sum(group.capacity_bytes() for group in self.groups)
+        """Bytes allocated behind this layer's stored tensors (`centroidkv.head_group.storage_bytes`)."""
+        return storage_bytes([tensor for group in self.groups for tensor in group.held_tensors()])
 
     def stored_tensors(self) -> list[Tensor]:
         """Everything this layer stores for its method, over its groups: entries, degrees, records,
@@ -434,8 +434,9 @@ class CompressedCache(Cache):
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.stored_tensors())
 
     def kv_capacity_bytes(self) -> int:
-        """Bytes allocated for what `kv_bytes()` counts: the live entries plus the buffers' headroom."""
-        return sum(layer.capacity_bytes() for layer in self.layers)
+        """Bytes allocated for what `kv_bytes()` counts: every storage behind it once, whole."""
+        held = [t for layer in self.layers for group in layer.groups for t in group.held_tensors()]
+        return storage_bytes(held)
 
     def full_kv_bytes(self) -> int:
         """Bytes the keys and values of every token seen would take in a full cache of the same dtype."""

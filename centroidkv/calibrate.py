@@ -75,7 +75,7 @@ def head_file_key(model_name: str) -> str:
 
 def user_head_dir() -> Path:
     """Where user calibrations live: `<cache dir>/outlier_heads` (`$CENTROIDKV_CACHE`)."""
-    from centroidkv.model_specs import cache_dir
+    from centroidkv.model_names import cache_dir
 
     return cache_dir() / "outlier_heads"
 

@@ -107,7 +107,7 @@ def generate(
             on_answer(answer)
     runnable = [i for i in range(len(named)) if (i, 0) not in answers]
     if warm and runnable:
-        warm_up(model, [named[i][1] for i in runnable])
+        warm_up(model, [named[i][1] for i in runnable], budget, budget_unit)
     eos = eos_token_ids(model, tokenizer)
 
     def done(k: int, outcome: Outcome) -> None:
@@ -118,7 +118,7 @@ def generate(
         if on_answer:
             on_answer(answer)
 
-    runs = [Run(named[i][1], budget if named[i][1].compresses else 1.0) for i in runnable]
+    runs = [Run.at(named[i][1], budget) for i in runnable]
     run(model, prompt, runs, max_new_tokens, eos, budget_unit, decode_batch=1, on_outcome=done)
     return [answers[key] for key in sorted(answers)]
 

@@ -20,7 +20,9 @@ Layout of a group (H_g its KV heads, H_q their query heads):
 In-place decoding: every growing tensor is the live prefix `buffer[:, :, :length]` of a buffer with
 headroom (`_capacity`), so a decode step copies one token instead of concatenating the whole cache.
 A buffer is never shared: a fork starts from the source's live views and allocates its own buffer on
-its first write, so a view another cache holds never changes.
+its first write, so a view another cache holds never changes. What a group has allocated
+(`held_tensors`, `storage_bytes`) is every storage behind its tensors, whole: until a fork's first write, the
+source's buffers (headroom included) that its views keep alive.
 """
 
 from __future__ import annotations
@@ -171,7 +173,6 @@ class HeadGroup:
             if not storage.integer:
                 if live.dtype != (storage.float_dtype or dtype):
                     self._set(slot, live.to(storage.float_dtype or dtype))
-                    self._buffers.pop(slot, None)
                 continue
             if live.dtype != dtype:
                 live = live.to(dtype)
@@ -188,7 +189,6 @@ class HeadGroup:
         tokens decoded until its next group is quantized."""
         if not self.owner.in_place:
             self._set(slot, residual.clone())
-            self._buffers.pop(slot, None)
             return
         length = residual.shape[2]
         capacity = self._capacity(slot, length, first=False)
@@ -203,10 +203,12 @@ class HeadGroup:
         return getattr(self, slot)
 
     def _set(self, slot: str, live: Tensor) -> None:
+        """Hold `live` in `slot`; a buffer it replaces is let go (never kept alive uncounted)."""
         if slot.startswith("extras."):
             self.extras[slot.removeprefix("extras.")] = live
         else:
             setattr(self, slot, live)
+        self.drop_stale_buffer(slot)
 
     def _append(self, slot: str, new: Tensor) -> None:
         """Append `new` along dim 2 to the tensor in `slot`: in place when its buffer has room."""
@@ -276,14 +278,10 @@ class HeadGroup:
         heads = [] if self.heads is None else [self.heads]
         return self.own_tensors() + list(self.windows.values()) + heads
 
-    def capacity_bytes(self) -> int:
-        """Bytes of the buffers behind what this group stores (live entries plus headroom)."""
-        total = 0
-        for tensor in self.own_tensors():
-            backing = next((buf for buf, view in self._buffers.values() if view is tensor), tensor)
-            total += backing.numel() * backing.element_size()
-        records = [*self.windows.values(), *([] if self.heads is None else [self.heads])]
-        return total + sum(t.numel() * t.element_size() for t in records)
+    def held_tensors(self) -> list[Tensor]:
+        """Every tensor this group keeps alive: what it stores and the buffers behind it (what a
+        cache has allocated is the storage behind these, `storage_bytes`)."""
+        return self.stored_tensors() + [buffer for buffer, _ in self._buffers.values()]
 
     def map_batch(self, fn) -> None:
         """Apply `fn` to the batch axis of everything stored (beam search, batch selection)."""
@@ -295,6 +293,8 @@ class HeadGroup:
         for records in (self.extras, self.windows):
             for name, tensor in records.items():
                 records[name] = fn(tensor)
+        for slot in list(self._buffers):
+            self.drop_stale_buffer(slot)
 
     def degrees_or_zeros(self) -> Tensor:
         if self.log_degree is not None:
@@ -421,6 +421,19 @@ FORK_NEEDS_FIX = (
     "record it in the source: pass needs=needs_of([...the methods you will fork to]) to "
     "centroidkv.decoding.prefill, or needs=... to the source CompressedCache"
 )
+
+
+def storage_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`: a view counts the whole storage it keeps
+    alive (a buffer's headroom, a source cache's buffer a fork shares), each storage once."""
+    storages, unplaced = {}, 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() == 0:  # no memory to tell apart (a meta-device tensor): its own size
+            unplaced += tensor.numel() * tensor.element_size()
+        else:
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values()) + unplaced
 
 
 def query_rows(window: Tensor, kv_heads: Tensor, n_kv_heads: int) -> Tensor:

@@ -46,7 +46,7 @@ from centroidkv.decoding import (
     start_fork,
 )
 from centroidkv.measurements import COMPRESSED, RunState, measure
-from centroidkv.methods import Method
+from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS
 from centroidkv.run_options import (  # noqa: F401
     CONTEXT_ONLY,
@@ -131,6 +131,10 @@ class Run:
 
     method: Method
     budget: float
+
+    @classmethod
+    def at(cls, method: Method, budget: float) -> Run:  # the full cache keeps every entry: R = 1
+        return cls(method, budget if method.compresses else 1.0)
 
 
 @dataclass
@@ -476,20 +480,21 @@ def _free_memory(device: torch.device) -> None:
 
 
 def warm_up(
-    model: nn.Module, methods: Iterable[Method | str] = ("centroidkv",), prompt_len: int = 256
+    model: nn.Module,
+    methods: Iterable[Method | str] = ("centroidkv",),
+    budget: float = 0.5,
+    budget_unit: str | None = None,
+    prompt_len: int = 256,
 ) -> float:
-    """Pay a process's one-time costs before timing anything: one tiny prefill, then a compressed
-    fork + a few decode steps per method (default: CentroidKV, whose first compression in a process
-    is several times slower than the next ones), through the per-prompt plan (`run`).
-    Returns the seconds it took. The runner does the same per job (`warmup: true`)."""
-    from centroidkv.methods import get_method  # the registry, at call time (methods may be added late)
-
+    """Pay a process's one-time costs before timing (a first compression is several times slower than
+    the next): a tiny prefill, then per method (default CentroidKV) a fork compressed at the caller's
+    `budget` and a few decode steps, through `run`. Never fails: a method that cannot run on this short
+    prompt is not warmed (its real run reports its own error). Returns the seconds it took."""
     start = time.perf_counter()
-    built = [get_method(m) if isinstance(m, str) else m for m in methods]
-    device = next(model.parameters()).device
-    ids = (torch.arange(prompt_len, device=device) % (model.config.vocab_size - 10) + 10).tolist()
-    prompt = Prompt(ids, [], ids, [])
-    for outcome in run(model, prompt, [Run(m, 0.5) for m in built], 4, eos_token_ids=set(), decode_batch=1):
-        if outcome.error is not None:
-            raise outcome.error
+    runs = [Run.at(get_method(m) if isinstance(m, str) else m, budget) for m in methods]
+    ids = (torch.arange(prompt_len) % (model.config.vocab_size - 10) + 10).tolist()
+    try:  # a run's error stays in its outcome (dropped); a failing prefill fails the real run too
+        run(model, Prompt(ids, [], ids, []), runs, 4, set(), budget_unit, decode_batch=1)
+    except Exception:
+        _free_memory(next(model.parameters()).device)
     return time.perf_counter() - start

@@ -90,20 +90,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def plugin_settings(args: argparse.Namespace) -> dict | None:
+    """The plugin's settings from the command line (None with --stock), checked: a bad one is a
+    `SettingsError` (one line) before vLLM is imported or the engine starts."""
+    from centroidkv_vllm.config import CentroidConfig
+
+    if args.stock:
+        return None
+    settings = {
+        "budget": args.budget,
+        "max_new_tokens": args.max_tokens,
+        "n_sink": args.n_sink,
+        "n_recent": args.n_recent,
+        "compress_interval": args.compress_interval,
+        "own_attention": args.own_attention,
+    }
+    CentroidConfig.from_dict(settings)
+    return settings
+
+
 def llm_args(args: argparse.Namespace) -> dict:
     """`LLM(...)` arguments (`centroidkv_vllm.workload.engine_args`) from the command line."""
     from centroidkv_vllm.workload import engine_args
 
-    settings = None
-    if not args.stock:
-        settings = {
-            "budget": args.budget,
-            "max_new_tokens": args.max_tokens,
-            "n_sink": args.n_sink,
-            "n_recent": args.n_recent,
-            "compress_interval": args.compress_interval,
-            "own_attention": args.own_attention,
-        }
+    settings = plugin_settings(args)
     max_model_len = 4096 if args.command == "generate" else args.prompt_tokens + args.max_tokens
     result = engine_args(args.model, settings, int(args.kv_mib * (1 << 20)), args.max_num_seqs, max_model_len)
     result["enable_prefix_caching"] = args.enable_prefix_caching
@@ -170,9 +180,16 @@ def profile(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
+    plugin_settings(args)  # a bad setting: one line, before the engine starts
     return {"generate": generate, "workload": workload, "profile": profile}[args.command](args)
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1:])
+    from centroidkv_vllm.config import SettingsError
+
+    try:
+        result = main(sys.argv[1:])
+    except SettingsError as error:
+        print(f"python -m centroidkv_vllm: {error}", file=sys.stderr)
+        sys.exit(2)
     print("CENTROIDKV_RESULT " + json.dumps(result))

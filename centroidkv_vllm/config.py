@@ -8,13 +8,23 @@ once the whole prompt is in (when n > B) and again whenever it has grown to B + 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from centroidkv.budget import check_budget
+from centroidkv.errors import first_line
+from centroidkv.params import field_rules, param, param_errors
+
+if TYPE_CHECKING:
+    from centroidkv.centroidkv import CentroidKV
 
 CONFIG_KEY = "centroidkv"
 SUPPORTED_ISAS = ("vec", "vec16")  # the CPU kernels whose block layout `centroidkv_vllm.paged` reads
+MAX_COUNT = 2**31 - 1  # every count setting (tokens, entries) fits vLLM's int32 positions
+
+
+class SettingsError(ValueError):
+    """A setting of the plugin that is unknown, of the wrong type or out of range (one line)."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +33,7 @@ class CentroidConfig:
     `CentroidKV` method's parameters (`centroidkv/centroidkv.py`), with its defaults."""
 
     budget: float = 1.0
-    max_new_tokens: int = 256
+    max_new_tokens: int = param(256, minimum=0)
     compress_interval: int = 64
     n_sink: int = 16
     n_recent: int = 64
@@ -37,16 +47,54 @@ class CentroidConfig:
     compiled_attention: bool = True
 
     @classmethod
+    def rules(cls) -> dict[str, dict[str, Any]]:
+        """Each setting's rule (`centroidkv.params`): the CentroidKV method's own for its parameters,
+        the type of the default for the others (a bool is a bool, an int an int, never a string),
+        every count at most MAX_COUNT."""
+        from centroidkv.centroidkv import CentroidKV  # torch: at call time
+
+        method_rules = CentroidKV.rules()
+        rules = {name: method_rules.get(name, rule) for name, rule in field_rules(cls).items()}
+        for rule in rules.values():
+            if rule.get("type") == "int" and "maximum" not in rule:
+                rule["maximum"] = MAX_COUNT
+        return rules
+
+    @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> CentroidConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(settings) - names)
-        if unknown:
-            raise ValueError(f"centroidkv: unknown setting(s) {unknown}; known: {sorted(names)}")
+        """The settings checked (SettingsError, one line: an unknown name, a value of the wrong type
+        or out of range), then the config."""
+        if not isinstance(settings, dict):
+            raise SettingsError(f"centroidkv: the settings must be a mapping, got {settings!r}")
+        problems = param_errors("centroidkv", settings, cls.rules())
+        if problems:
+            raise SettingsError(problems[0])
+        try:
+            check_budget(settings.get("budget", cls.budget))
+        except ValueError as error:
+            raise SettingsError(f"centroidkv: {error}") from None
         config = cls(**settings)
-        check_budget(config.budget)
-        if config.max_new_tokens < 0 or config.compress_interval < 1:
-            raise ValueError("centroidkv: max_new_tokens must be >= 0 and compress_interval >= 1")
+        try:  # the method checks what binds one parameter by another (r_min <= its r_init)
+            config.method()
+        except ValueError as error:
+            raise SettingsError(first_line(error)) from None  # its line starts "centroidkv: "
         return config
+
+    def method(self) -> CentroidKV:
+        """The harness's CentroidKV with these settings: every head compressed (heads=none) and
+        similarity on the cached (post-RoPE) keys."""
+        from centroidkv.centroidkv import CentroidKV  # torch: at call time
+
+        return CentroidKV(
+            chunk_size=self.chunk_size,
+            schedule=self.schedule,
+            r_min=self.r_min,
+            similarity="post_rope",
+            heads="none",
+            n_sink=self.n_sink,
+            n_recent=self.n_recent,
+            compress_interval=self.compress_interval,
+        )
 
 
 def config_of(vllm_config: Any) -> CentroidConfig | None:
@@ -54,7 +102,7 @@ def config_of(vllm_config: Any) -> CentroidConfig | None:
     extra = vllm_config.additional_config
     if not isinstance(extra, dict) or CONFIG_KEY not in extra:
         return None
-    return CentroidConfig.from_dict(dict(extra[CONFIG_KEY]))
+    return CentroidConfig.from_dict(extra[CONFIG_KEY])
 
 
 def refusal(vllm_config: Any, isa: str, sliding_window: int) -> str | None:

@@ -123,21 +123,56 @@ static void attend(const Layout& at, const int64_t* row_blocks, int64_t begin, i
   }
 }
 
+// Every shape and index the loop trusts, checked before any pointer is formed: the loop itself
+// reads the pool and the tables without bounds checks.
+static void check_arguments(const torch::Tensor& query, const torch::Tensor& cache, const torch::Tensor& log_degree,
+                            const torch::Tensor& blocks, const torch::Tensor& first, const torch::Tensor& held) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kBFloat16 &&
+                  log_degree.scalar_type() == torch::kFloat32,
+              "query and log_degree float32, cache bfloat16");
+  TORCH_CHECK(blocks.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
+                  held.scalar_type() == torch::kLong,
+              "blocks, first and held: int64");
+  TORCH_CHECK(query.is_contiguous() && cache.is_contiguous() && log_degree.is_contiguous(),
+              "query, cache and log_degree: contiguous");
+  TORCH_CHECK(query.dim() == 3 && cache.dim() == 4 && log_degree.dim() == 2 && blocks.dim() == 2 &&
+                  first.dim() == 1 && held.dim() == 1,
+              "query [M, Hq, D], cache [num_blocks, H, 2, block_size * D], log_degree [num_blocks * "
+              "block_size, H], blocks [M, nb], first [M], held [M]");
+  const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(2);
+  const int64_t num_blocks = cache.size(0), heads = cache.size(1), width = blocks.size(1);
+  TORCH_CHECK(dim > 0 && dim % kLanes == 0, "head dim: a positive multiple of 16, got ", dim);
+  TORCH_CHECK(cache.size(2) == 2 && cache.size(3) % dim == 0, "cache [num_blocks, H, 2, block_size * D]");
+  const int64_t block_size = cache.size(3) / dim;
+  TORCH_CHECK(block_size > 0 && block_size % kLanes == 0, "block size: a positive multiple of 16, got ", block_size);
+  TORCH_CHECK(heads > 0 && q_heads > 0 && q_heads % heads == 0, "query heads (", q_heads,
+              ") must be a multiple of the KV heads (", heads, ")");
+  TORCH_CHECK(log_degree.size(0) == num_blocks * block_size && log_degree.size(1) == heads,
+              "log_degree must be [num_blocks * block_size, H] = [", num_blocks * block_size, ", ", heads,
+              "], got ", log_degree.sizes());
+  TORCH_CHECK(blocks.size(0) == rows && first.size(0) == rows && held.size(0) == rows,
+              "blocks, first and held must have one row per query row (", rows, ")");
+  if (rows == 0) return;
+  TORCH_CHECK(width > 0, "blocks: at least one block per row");
+  TORCH_CHECK(blocks.min().item<int64_t>() >= 0 && blocks.max().item<int64_t>() < num_blocks,
+              "block ids must be in [0, ", num_blocks, ")");
+  TORCH_CHECK(first.min().item<int64_t>() >= 0 && held.min().item<int64_t>() > 0,
+              "first must be >= 0 and held > 0");
+  TORCH_CHECK((first + held).max().item<int64_t>() <= width * block_size,
+              "first + held must not exceed a row's blocks (", width * block_size, " entries)");
+}
+
 // query [M, Hq, D] float32; cache [num_blocks, H, 2, block_size * D] bf16; log_degree
 // [num_blocks * block_size, H] float32; blocks [M, nb] int64; first [M]: the offset of a row's first
 // entry in its first block; held [M]: its entries. D and block_size: multiples of 16.
 torch::Tensor degree_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor log_degree,
                             torch::Tensor blocks, torch::Tensor first, torch::Tensor held, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kBFloat16);
-  TORCH_CHECK(blocks.scalar_type() == torch::kLong && first.scalar_type() == torch::kLong &&
-              held.scalar_type() == torch::kLong);
-  TORCH_CHECK(query.is_contiguous() && cache.is_contiguous() && log_degree.is_contiguous());
+  check_arguments(query, cache, log_degree, blocks, first, held);
   // held here: a non-contiguous argument's contiguous copy must outlive the pointers into it
   const torch::Tensor table_rows = blocks.contiguous(), first_rows = first.contiguous(),
                       held_rows = held.contiguous();
   const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(2);
   const int64_t heads = cache.size(1), block_size = cache.size(3) / dim, width = blocks.size(1);
-  TORCH_CHECK(dim % kLanes == 0 && block_size % kLanes == 0, "head dim and block size: multiples of 16");
   const Layout layout{reinterpret_cast<const uint16_t*>(cache.data_ptr<at::BFloat16>()),
                       log_degree.data_ptr<float>(), heads, q_heads / heads, dim, block_size};
   auto output = torch::zeros({rows, q_heads, dim}, torch::kFloat32);

@@ -53,21 +53,6 @@ class LayerCache:
         self.log_degree = torch.zeros(num_blocks * block_size, heads, dtype=torch.float32)
 
 
-def make_method(config: CentroidConfig) -> CentroidKV:
-    """The harness's CentroidKV with the plugin's settings: every head compressed (heads=none) and
-    similarity on the cached (post-RoPE) keys."""
-    return CentroidKV(
-        chunk_size=config.chunk_size,
-        schedule=config.schedule,
-        r_min=config.r_min,
-        similarity="post_rope",
-        heads="none",
-        n_sink=config.n_sink,
-        n_recent=config.n_recent,
-        compress_interval=config.compress_interval,
-    )
-
-
 def compress_layer(
     layer: LayerCache, slots: Tensor, budget: int, method: CentroidKV, stats: LayerStats
 ) -> None:
@@ -97,7 +82,7 @@ class Tracker:
         self.config = config
         self.block_size = block_size
         self.scale = scale
-        self.method = make_method(config)
+        self.method = config.method()
         self.states: dict[int, RequestState] = {}  # block holding the request's last entry -> state
 
     def starts(

@@ -144,6 +144,10 @@ def calibrate_missing(model, methods: Iterable[Method]) -> None:
         try:
             method.listed_heads(model)
         except CalibrationMissing as missing:
+            try:
+                check_calibratable(missing.model_name)
+            except ValueError as error:  # before any essay is tokenized: one line
+                raise ValueError(f"{error}; give heads_file=<a head file>, or heads=none") from None
             print(
                 f"calibrate: no {missing.score} head calibration for {missing.model_name!r} yet; "
                 f"calibrating on the dev essays, written to {missing.path}",
@@ -152,6 +156,15 @@ def calibrate_missing(model, methods: Iterable[Method]) -> None:
             data = calibrate(model, missing.model_name, score=missing.score)
             write_head_file(data, missing.path)
             method.listed_heads(model)
+
+
+def check_calibratable(name: str) -> None:
+    """Raise one ValueError line for a model that cannot be calibrated: a tiny model's 512-token
+    vocabulary cannot take the essays' tokens (the embedded tokenizer's 49k)."""
+    from centroidkv.model_names import TINY_MODELS
+
+    if name in TINY_MODELS:
+        raise ValueError(f"{name}: tiny models have no tokenizer to calibrate on")
 
 
 def check_writable(path: Path) -> None:
@@ -253,12 +266,11 @@ def _parser() -> argparse.ArgumentParser:
 def _checked(args: argparse.Namespace) -> tuple[str, Path]:
     """The model's name and the file to write, once every value is checked (ValueError, one line)."""
     from centroidkv.budget import check_budget
-    from centroidkv.model_names import TINY_MODELS, canonical_model_name, model_kind
+    from centroidkv.model_names import canonical_model_name, model_kind
 
     kind = model_kind(args.model)
     name = canonical_model_name(args.model) if kind == "registered" else args.model
-    if name in TINY_MODELS:
-        raise ValueError("tiny models have no tokenizer to calibrate on")
+    check_calibratable(name)
     check_budget(args.budget)
     if not 0 <= args.fraction <= 1:
         raise ValueError(f"--fraction must be in [0, 1], got {args.fraction!r}")

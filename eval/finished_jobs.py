@@ -7,8 +7,9 @@ the folder saved. When that check finds the job finished under the same identity
 on a skip), `remember` leaves in the folder a key (FINISHED_KEY) of everything that identity and the
 folder's name are computed from: the composed config and its override string; the sources (the
 library and the methods' packages with the installed distributions, as in the cached schema's
-fingerprint, and the harness's eval/ and configs/); the head files that could be read, and any file
-or folder the config names; the device the model resolves to; the interpreter. `finished_by_key`
+fingerprint, and the harness's eval/ and configs/); the head files of the job's model (the user's
+calibrations and the package's, of every score: no other model's calibration touches the key), and
+any file or folder the config names; the device the model resolves to; the interpreter. `finished_by_key`
 computes the same key without torch: an equal key means the full check would skip the job. Anything
 else (a source touched, a head file calibrated, overwrite=true, a Hub id, a visible GPU when no
 device is given) leaves the decision to the full check, which is then one slow start.
@@ -22,17 +23,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from centroidkv.calibrate import PACKAGED_DIR, user_head_dir
 from centroidkv.files import write_atomic
-from centroidkv.model_names import MODEL_NAMES, cache_dir
+from centroidkv.model_names import MODEL_NAMES, cache_dir, model_identity
 from centroidkv.schema import fingerprint
 from eval.job_names import override_hash
 from eval.job_store import JobStore
 
 FINISHED_KEY = "finished.key"
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: the head files of the job's model only
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_SOURCES = (ROOT / "eval", ROOT / "configs")
-HEAD_FOLDERS = (ROOT / "centroidkv" / "data",)  # the user's calibrations: cache_dir()/outlier_heads
 NAMING_NODES = ("model", "method", "methods", "benchmark")  # where a file or folder the job reads is named
 GPU_DEVICE_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
 
@@ -56,6 +57,22 @@ def _stats(root: Path) -> list[str]:
     else:
         return [f"{root}|absent"]
     return [f"{p}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files]
+
+
+def _head_files(model_name: str) -> list[Path]:
+    """The head files `heads_file=<score>` may read for the model: the user's calibrations and the
+    package's whose name starts with the model's head-file stem (`centroidkv.calibrate.head_file_key`,
+    known here without torch as its identity up to a depth: every score and every depth of a
+    paper-shaped model, a few more files at worst, never one fewer)."""
+    stem = model_identity(model_name).partition(":")[0]
+    folders = ((user_head_dir(), stem), (PACKAGED_DIR, f"outlier_heads_{stem}"))
+    return sorted(
+        path
+        for folder, prefix in folders
+        if folder.is_dir()
+        for path in folder.iterdir()
+        if path.name.startswith(prefix) and path.suffix == ".json"
+    )
 
 
 def _named_paths(value: Any) -> list[Path]:
@@ -86,7 +103,10 @@ def finished_key(config: dict[str, Any], override_dirname: str) -> str | None:
     parts = [f"{KEY_VERSION}", json.dumps(config, sort_keys=True, default=str), override_dirname.strip()]
     parts += [fingerprint(), sys.executable, sys.version, device, str(cache_dir())]
     named = _named_paths([config.get(node) for node in NAMING_NODES])
-    roots = [*HARNESS_SOURCES, *HEAD_FOLDERS, cache_dir() / "outlier_heads", *named]
+    try:
+        roots = [*HARNESS_SOURCES, *_head_files(name), *named]
+    except (ValueError, OSError):  # a bad name or depth: the full check says so
+        return None
     for part in parts + [line for root in roots for line in _stats(root)]:
         digest.update(part.encode(errors="replace") + b"\n")
     return digest.hexdigest()

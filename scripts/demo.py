@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(EMBEDDED_MODEL)
     methods = [get_method(name) for name in ["full", *args.methods]]
-    warm_up(model, methods)  # a process's first compression is several times slower than the next
+    warm_up(
+        model, methods, args.budget
+    )  # a process's first compression is several times slower than the next
     print(
         f"model loaded and warmed up in {time.perf_counter() - start:.0f} s; budget R = {args.budget:g} in bytes; "
         f"{args.threads} thread(s), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"

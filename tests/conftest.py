@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,23 @@ def tiny_model(request):
 def embedded():
     """The embedded SmolLM2-135M (converted once from the GGUF, then cached)."""
     return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of the test's own (`$CENTROIDKV_CACHE`, subprocesses included), so that no
+    calibration or conversion in the user's shared cache changes what the test sees; the embedded
+    model's conversion (its tokenizer, the tiny models' too) is linked in from the shared cache,
+    converted there first when it is not yet."""
+    from centroidkv.model_names import EMBEDDED_MODEL
+    from centroidkv.models import converted_dir
+
+    converted = converted_dir(EMBEDDED_MODEL)  # in the shared cache, before the variable changes
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / EMBEDDED_MODEL).symlink_to(converted, target_is_directory=True)
+    monkeypatch.setenv("CENTROIDKV_CACHE", str(cache))
+    return cache
 
 
 @pytest.fixture

@@ -255,21 +255,18 @@ def test_help_is_light_and_shows_every_default(capsys):
         assert f"(default: {default})" in text
 
 
-def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(tmp_path, monkeypatch, capsys):
+def test_a_job_that_calibrates_on_first_use_resumes_with_the_written_file(
+    tmp_path, monkeypatch, capsys, own_cache
+):
     """`auto` without a file: the runner calibrates when the model loads, saying so in one line, and
     the identity it saves names the written file, so a resumed job matches it. (The calibration is
     replaced by a fake head file: the tiny model's vocabulary cannot take the essays' tokens, and the
     test is about the job.)"""
-    from centroidkv.models import cache_dir
     from eval.records import read_records
     from eval.runner import config_yaml_of, run_job
 
-    converted = cache_dir() / "smollm2-135m"  # the embedded tokenizer, converted once, is shared
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "smollm2-135m").symlink_to(converted, target_is_directory=True)
-    monkeypatch.setenv("CENTROIDKV_CACHE", str(cache))
     monkeypatch.setattr(calibrate, "calibrate", lambda model, name, score: head_data(name, 2, 2))
+    monkeypatch.setattr(calibrate, "check_calibratable", lambda name: None)  # the fake takes no essays
     overrides = ["method=centroidkv", "method.params.heads_fraction=0.25", "budget_unit=entries"]
     cfg = build_run_config(composed([*TINY, f"results_dir={tmp_path}", "benchmark.n_samples=1", *overrides]))
     assert cfg.identity()["methods.centroidkv.heads_file_read"].endswith(
@@ -318,3 +315,21 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
     cache = compressed()
     assert cache.layers[0].group("whole") is None and cache.layers[1].group("whole").heads.tolist() == [1]
     assert cache.layers[1].keys.shape[-2] == 150  # the other head was compressed to the budget
+
+
+def test_a_jobs_first_use_calibration_of_a_tiny_model_is_refused_in_one_line(tmp_path, capsys, own_cache):
+    """Issue 53, defect 4: a tiny model's 512-token vocabulary cannot take the essays' tokens; the
+    runner refuses to calibrate it with the command line's check (one line), instead of an
+    IndexError from inside the calibration, and writes no head file."""
+    from eval.runner import SetupError, config_yaml_of, run_job
+
+    overrides = ["method=centroidkv", "method.params.heads=budget", "method.params.heads_fraction=0.5"]
+    cfg = build_run_config(composed([*TINY, f"results_dir={tmp_path}", "benchmark.n_samples=1", *overrides]))
+    with pytest.raises(SetupError) as refused:
+        run_job(cfg, config_yaml_of(cfg, None))
+    assert str(refused.value).splitlines() == [
+        "ValueError: tiny-llama: tiny models have no tokenizer to calibrate on; "
+        "give heads_file=<a head file>, or heads=none"
+    ]
+    assert not (own_cache / "outlier_heads").exists() or not any((own_cache / "outlier_heads").iterdir())
+    assert "calibrating on the dev essays" not in capsys.readouterr().err

@@ -31,7 +31,10 @@ def run(args: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_finished_job_is_skipped_before_torch_and_a_changed_key_goes_through_the_full_check(tmp_path):
+def test_a_finished_job_is_skipped_before_torch_and_a_changed_key_goes_through_the_full_check(
+    tmp_path, own_cache
+):
+    """In a cache of the test's own: another process calibrating in the user's cache changes nothing."""
     args = ["model=tiny-llama", "benchmark=toy", "logger=none", "warmup=false", f"results_dir={tmp_path}",
             "methods=[full,snapkv]", "budgets=[0.5]"]  # fmt: skip
     first = run(args)
@@ -67,6 +70,28 @@ def test_the_key_changes_with_the_config_the_head_files_and_the_device(tmp_path,
     (tmp_path / "no-gpu").touch()  # a GPU driver is visible: cuda or cpu is torch's to say
     assert finished_key(CONFIG, "") is None
     assert finished_key({**CONFIG, "model": {"name": "tiny-llama", "device": "cpu"}}, "") is not None
+
+
+def test_the_key_reads_the_head_files_of_the_jobs_model_only(tmp_path, monkeypatch):
+    """Issue 53, defect 12: calibrating another model leaves every finished job's key as it was (it
+    hashed every head file in the cache); a head file of the job's model, of any score, changes it."""
+    heads = tmp_path / "cache/outlier_heads"
+    heads.mkdir(parents=True)
+    monkeypatch.setenv("CENTROIDKV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(finished_jobs, "GPU_DEVICE_FILES", ())
+    key = finished_key(CONFIG, "")
+    for other in ("smollm2-135m.json", "tiny-mistral.streaming.json", "random-llama3.1-8b-2layers.json"):
+        (heads / other).write_text("{}")
+    assert finished_key(CONFIG, "") == key
+    (heads / "tiny-llama.needle.json").write_text("{}")
+    needle = finished_key(CONFIG, "")
+    assert needle != key
+    (heads / "tiny-llama.needle.json").write_text('{"changed": 1}')
+    assert finished_key(CONFIG, "") not in (key, needle)
+    cut = {**CONFIG, "model": {"name": "random-llama3.1-8b:2"}}
+    before = finished_key(cut, "")
+    (heads / "random-llama3.1-8b-2layers.json").write_text('{"calibrated": 2}')
+    assert finished_key(cut, "") != before
 
 
 def test_only_a_finished_folder_with_the_same_key_is_found(tmp_path, monkeypatch):

@@ -16,8 +16,9 @@ from centroidkv.window_layer import WindowLayer, sliding_windows
 WINDOW = 8
 
 
-def tiny_gemma3() -> Gemma3ForCausalLM:
-    config = Gemma3TextConfig(
+def tiny_gemma3(**overrides) -> Gemma3ForCausalLM:
+    """Three window layers and a global one; `overrides`: other configuration values."""
+    values = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=96,
@@ -29,7 +30,7 @@ def tiny_gemma3() -> Gemma3ForCausalLM:
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
         max_position_embeddings=512,
     )
-    return Gemma3ForCausalLM(config)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**{**values, **overrides}))
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:

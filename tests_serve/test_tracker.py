@@ -13,7 +13,7 @@ from test_paged import HEADS, paged_request  # noqa: E402
 from centroidkv.kv import LayerStats  # noqa: E402
 from centroidkv_vllm.config import CentroidConfig  # noqa: E402
 from centroidkv_vllm.paged import read_entries  # noqa: E402
-from centroidkv_vllm.tracker import LayerCache, compress_layer, make_method  # noqa: E402
+from centroidkv_vllm.tracker import LayerCache, compress_layer  # noqa: E402
 
 STATS = LayerStats(layer_idx=0, n_layers=1, scaling=0.125)
 
@@ -21,7 +21,7 @@ STATS = LayerStats(layer_idx=0, n_layers=1, scaling=0.125)
 def compressed(length: int, budget: int, config: CentroidConfig, rounds: int = 1):
     kv_cache, row, slots, keys, values = paged_request(length)
     layer = LayerCache(kv_cache, "vec")
-    method = make_method(config)
+    method = config.method()
     for _ in range(rounds):
         compress_layer(layer, slots, budget, method, STATS)
     kept = slots[length - budget :]  # the merged entries go to the last `budget` slots
@@ -56,7 +56,7 @@ def test_a_second_compression_keeps_the_earlier_degrees():
     original token once: the stored log-degrees are read back, not reset."""
     kv_cache, row, slots, _, _ = paged_request(700)
     layer = LayerCache(kv_cache, "vec")
-    method = make_method(CentroidConfig())
+    method = CentroidConfig().method()
     compress_layer(layer, slots, 400, method, STATS)
     compress_layer(layer, slots[-400:], 250, method, STATS)
     degree = layer.log_degree[slots[-250:]].exp()
