@@ -163,7 +163,7 @@ heads: $(STAMP)
 	$(PYTHON) scripts/head_attribution.py results/heads_low  # dev has no 0.0625: chosen on these records
 	$(PYTHON) scripts/figures.py results/heads --out paper_figures
 
-# The long-context study (configs/experiment/long.yaml, long_16k.yaml, long_32k.yaml): qwen2.5-0.5b at 8k,
+# The long-context study (configs/experiment/long_study_8k.yaml, long_study_16k.yaml, long_study_32k.yaml): qwen2.5-0.5b at 8k,
 # 16k, then 32k (the most expensive part, last), test split, 1/8 and 1/4 of the bytes, one experiment per
 # length; resumable (a rerun goes on where the last stopped). make long-dev: which tasks the full cache
 # answers on dev at each length.
@@ -171,9 +171,9 @@ LONG_MODEL ?= qwen2.5-0.5b
 LONG_RUN = $(PYTHON) scripts/run.py model=$(if $(filter smollm2-135m,$(MODEL)),$(LONG_MODEL),$(MODEL)) $(ARGS)
 LONG_LENGTHS = 8k 16k 32k
 long: $(STAMP)
-	$(LONG_RUN) experiment=long
-	$(LONG_RUN) experiment=long_16k
-	$(LONG_RUN) experiment=long_32k
+	$(LONG_RUN) experiment=long_study_8k
+	$(LONG_RUN) experiment=long_study_16k
+	$(LONG_RUN) experiment=long_study_32k
 	for n in $(LONG_LENGTHS); do \
 		$(PYTHON) scripts/tables.py results/long_study_$$n && \
 		$(PYTHON) scripts/wrong_answers.py results/long_study_$$n && \
@@ -182,7 +182,7 @@ long: $(STAMP)
 	$(PYTHON) scripts/figures.py results/long_study_8k results/long_study_16k results/long_study_32k --out paper_figures
 
 long-dev: $(STAMP)
-	$(LONG_RUN) experiment=long_dev
+	$(LONG_RUN) experiment=long_study_dev
 	$(PYTHON) scripts/tables.py results/long_study_dev
 
 # The prefill's GFLOP/s against a float32 matmul's on one thread (scripts/bench_prefill.py; ARGS=...).
