@@ -399,13 +399,15 @@ def check_architecture(model: PreTrainedModel) -> None:
 
 
 def check_vocabulary(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
-    """Raise one ValueError line when the tokenizer gives ids the model has no embedding for (a folder
-    saved with another model's tokenizer fails mid-run otherwise)."""
+    """Raise one ValueError line when the tokenizer's vocabulary has ids the model has no embedding for
+    (a folder saved with another model's tokenizer fails mid-run otherwise). The base vocabulary is
+    compared, not `len(tokenizer)`: a converted GGUF's tokenizer may list a few added special tokens
+    past the embeddings (SmolLM2: 49,157 tokens, 49,152 embeddings) that ordinary text never yields."""
     rows = model.get_input_embeddings().num_embeddings
-    if tokenizer is not None and len(tokenizer) > rows:
+    if tokenizer is not None and tokenizer.vocab_size > rows:
         raise ValueError(
-            f"{name}: its tokenizer has {len(tokenizer)} tokens, more than the model's {rows} embeddings "
-            "(save the model's own tokenizer beside it)"
+            f"{name}: its tokenizer has {tokenizer.vocab_size} tokens, more than the model's {rows} "
+            "embeddings (save the model's own tokenizer beside it)"
         )
 
 

@@ -155,6 +155,13 @@ def test_a_tokenizer_with_more_tokens_than_embeddings_is_one_line_at_load(tmp_pa
     with pytest.raises(ValueError) as error:
         models.load_model(str(tmp_path), device="cpu")
     assert str(error.value) == (
-        f"{tmp_path}: its tokenizer has {len(tokenizer)} tokens, more than the model's 512 embeddings "
-        "(save the model's own tokenizer beside it)"
+        f"{tmp_path}: its tokenizer has {tokenizer.vocab_size} tokens, more than the model's 512 "
+        "embeddings (save the model's own tokenizer beside it)"
     )
+
+
+def test_the_embedded_models_own_folder_loads_with_its_few_added_tokens_past_the_embeddings():
+    """The converted SmolLM2 lists 5 added special tokens past its 49,152 embeddings: still its own."""
+    folder = models.converted_dir("smollm2-135m")
+    model, tokenizer = models.load_model(str(folder), device="cpu")
+    assert len(tokenizer) > model.get_input_embeddings().num_embeddings == tokenizer.vocab_size
