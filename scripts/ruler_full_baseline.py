@@ -57,6 +57,21 @@ def stop_ids(tok) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != tok.unk_token_id)
 
 
+def greedy_answer(model, tok, ids: torch.Tensor, max_new_tokens: int, stops: list[int]) -> tuple[str, float]:
+    """transformers' own greedy generation from the prompt `ids`: (the answer's text, seconds)."""
+    start = time.perf_counter()
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=stops[0],
+    )
+    seconds = time.perf_counter() - start
+    return tok.decode(output[0, ids.shape[1] :], skip_special_tokens=True), seconds
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,17 +94,7 @@ def main() -> None:
         scores = []
         for s in tqdm(samples, desc=task):
             ids = prompt_ids(tok, s)
-            start = time.perf_counter()
-            output = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=s["max_new_tokens"],
-                do_sample=False,
-                eos_token_id=stops,
-                pad_token_id=stops[0],
-            )
-            seconds = time.perf_counter() - start
-            prediction = tok.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+            prediction, seconds = greedy_answer(model, tok, ids, s["max_new_tokens"], stops)
             score = ruler_score(task, prediction, s["answers"])
             scores.append(score)
             records.append(

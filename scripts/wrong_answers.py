@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.benchmarks.ruler.confusion import KINDS, confusable  # noqa: E402
 from scripts.table_files import OutputError, output_folder, write_text  # noqa: E402
+from scripts.table_text import to_markdown  # noqa: E402
 from scripts.tables import load_or_error  # noqa: E402
 
 COLUMNS = ("samples", "wrong", *KINDS)
@@ -42,12 +43,10 @@ def wrong_answer_counts(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def markdown(counts: pd.DataFrame) -> str:
-    header = "| method | length | budget | " + " | ".join(COLUMNS) + " |"
-    lines = [header, "|---|---:|---:|" + "---:|" * len(COLUMNS)]
-    for row in counts.itertuples(index=False):
-        cells = [str(getattr(row, column)) for column in COLUMNS]
-        lines.append(f"| {row.label} | {row.length} | {row.budget:g} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The counts as a Markdown table (record text escaped by `table_text.to_markdown`)."""
+    table = counts.assign(budget=counts["budget"].map("{:g}".format)).set_index("label")
+    table.index.name = "method"
+    return to_markdown(table, digits=0, bold_best=False)
 
 
 def main(argv: list[str] | None = None) -> int:

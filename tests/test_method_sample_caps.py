@@ -30,7 +30,7 @@ def _counts(cfg) -> Counter:
     return Counter((r["variant"], r["length"]) for r in records)
 
 
-def test_a_capped_method_runs_on_the_first_samples_and_a_raised_cap_adds_the_rest(tmp_path):
+def test_a_capped_method_runs_on_the_first_samples_and_a_changed_cap_is_another_job(tmp_path):
     capped = _compose(tmp_path, "[full,{name:snapkv,samples:1},{name:streaming_llm,samples:{512:2}}]")
     cfg = build_run_config(capped, "job")
     run_job(cfg, config_yaml_of(cfg, capped))

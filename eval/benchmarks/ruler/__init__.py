@@ -120,6 +120,7 @@ class Ruler(Benchmark):
 
         if not confusable(sample["task"]):
             return {}
+        if score == 100:
+            return {"wrong_answer": None}
         context = sample.get("context") or sample["input"]
-        wrong = score < 100 and wrong_answer_kind(sample["task"], prediction, sample["answers"], context)
-        return {"wrong_answer": wrong or None}
+        return {"wrong_answer": wrong_answer_kind(sample["task"], prediction, sample["answers"], context)}

@@ -48,8 +48,8 @@ def needle_values(context: str) -> set[str]:
 def wrong_answer_kind(task: str, prediction: str, answers: Sequence[str], context: str) -> str:
     """ "distractor", "absent" or "no_value" for a wrong `prediction` on `task` (module docstring)."""
     pattern = VALUE_PATTERNS[TASKS[task]["type_needle_v"]]
-    given = {value.lower() for value in re.findall(pattern, prediction.lower())}
-    others = needle_values(context) - {answer.lower() for answer in answers}
-    if given & others:
+    given = set(re.findall(pattern, prediction.lower()))
+    wrong = given - {answer.lower() for answer in answers}
+    if wrong & needle_values(context):
         return "distractor"
-    return "absent" if given - {answer.lower() for answer in answers} else "no_value"
+    return "absent" if wrong else "no_value"
