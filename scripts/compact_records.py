@@ -38,7 +38,8 @@ from eval.records import CONFIG, KEY_FIELDS, RECORDS  # noqa: E402
 # What tables and figures read besides the record key and the table measurements.
 TABLE_FIELDS = ("status", "score", "model", "experiment", "job", "kv_budget_ratio", "kv_final_ratio",
                 "kept_every_token", "kv_allocated_ratio", "kv_ratio", "kv_masked", "split", "budget_unit",
-                "protocol", "context_length", "depth", "prefill_shared", "decode_batch", "load_1min", "n_cores")  # fmt: skip
+                "protocol", "context_length", "depth", "prefill_shared", "decode_batch", "load_1min", "n_cores",
+                "wrong_answer")  # fmt: skip
 COMPACT_FIELDS = tuple(dict.fromkeys((*KEY_FIELDS, *TABLE_FIELDS, *(m.name for m in table_measurements()))))
 
 
@@ -125,6 +126,13 @@ def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[
         if isinstance(df, str):
             raise ValueError(df)
         written = write_tables(df, out)
+        from scripts.table_files import write_text
+        from scripts.wrong_answers import counts_text, wrong_answer_counts
+
+        counts = wrong_answer_counts(df)
+        if not counts.empty:  # the confusion counts of a multikey study
+            written.append(out / "wrong_answers.md")
+            write_text(written[-1], counts_text(counts))
         if figures:
             from scripts.figures import make_figures
 

@@ -66,62 +66,91 @@ def best_policies(df: pd.DataFrame, budget: float) -> dict[str, str]:
     return best
 
 
+def paired(df: pd.DataFrame, budget: float, labels: list[str]) -> tuple[dict[str, float], object, int] | None:
+    """The paired bootstrap of `labels` alone at `budget`, on the samples they all finished (a capped
+    method is compared on its own samples, not cut to the fewest of the job): (label -> mean,
+    P(first > second) or None for one label, samples), or None when they share no sample."""
+    found = bootstrap(df, budget, labels=labels)
+    if found is None:
+        return None
+    names, means, per_draw, _, n_samples = found
+    column = {label: i for i, label in enumerate(names)}
+    p = p_above(per_draw, column[labels[0]], column[labels[1]]) if len(labels) > 1 else None
+    return {label: means[column[label]] for label in names}, p, n_samples
+
+
+def _policy_row(df: pd.DataFrame, budget: float, method: str, variant: dict, chosen: str) -> dict:
+    """One method's average under each head policy (on the samples its policies share), its best
+    policy and what that adds over none."""
+    labels = [variant[method, policy] for policy in HEAD_POLICIES if (method, policy) in variant]
+    top, none = variant.get((method, chosen)), variant.get((method, "none"))
+    if top in labels and none in labels:  # the pair compared first, so that P is P(top > none)
+        labels = [top, none, *(label for label in labels if label not in (top, none))]
+    found = paired(df, budget, labels)
+    means, p, n_samples = found if found is not None else ({}, None, 0)
+    row = {"Method": method}
+    for policy in HEAD_POLICIES:
+        row[policy] = means.get(variant.get((method, policy)), float("nan"))
+    row["best"] = chosen
+    compared = chosen != "none" and top in means and none in means and p is not None
+    row["heads add"] = means[top] - means[none] if compared else 0.0
+    row["P(best > none)"] = f"{p:.2f}" if compared else "-"
+    row["samples"] = n_samples
+    return row
+
+
+def _clustering_row(df: pd.DataFrame, budget: float, clustering: str, other: str, method: str) -> dict | None:
+    """CentroidKV under its best policy against `method` under its own, on the samples both finished."""
+    found = paired(df, budget, [clustering, other])
+    if found is None:
+        return None
+    means, p, n_samples = found
+    return {
+        "Method (best policy)": method,
+        "avg": means[other],
+        clustering: means[clustering],
+        "clustering adds": means[clustering] - means[other],
+        "P": f"{p:.2f}",
+        "resolved": resolved_words(p, n_samples),
+        "samples": n_samples,
+    }
+
+
 def attribution(df: pd.DataFrame, chooser: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
     """name -> table for every budget (see the module)."""
     cells = factorial_cells(df)
     tables = {}
     for budget in sorted(cells["budget"].unique()):
-        found = bootstrap(df, budget)
-        if found is None:
-            continue
-        labels, means, per_draw, _, n_samples = found
-        column = {label: i for i, label in enumerate(labels)}
         at_budget = cells[cells["budget"] == budget]
         variant = {
             (m, p): label
             for m, p, label in zip(at_budget["method"], at_budget["policy"], at_budget["label"], strict=True)
         }
         best = best_policies(chooser if chooser is not None else df, budget)
-        rows, versus = [], []
         methods = list(dict.fromkeys(at_budget["method"]))
-        for method in methods:
-            row = {"Method": method}
-            for policy in HEAD_POLICIES:
-                label = variant.get((method, policy))
-                row[policy] = means[column[label]] if label in column else float("nan")
-            chosen = best.get(method, "none")
-            row["best"] = chosen
-            none, top = variant.get((method, "none")), variant.get((method, chosen))
-            if none in column and top in column and chosen != "none":
-                row["heads add"] = means[column[top]] - means[column[none]]
-                row["P(best > none)"] = f"{p_above(per_draw, column[top], column[none]):.2f}"
-            else:
-                row["heads add"], row["P(best > none)"] = 0.0, "-"
-            rows.append(row)
+        rows = [_policy_row(df, budget, m, variant, best.get(m, "none")) for m in methods]
+        if not any(row["samples"] for row in rows):
+            continue
         clustering = variant.get((CLUSTERING, best.get(CLUSTERING, "none")))
-        for method in methods:
-            other = variant.get((method, best.get(method, "none")))
-            if method == CLUSTERING or clustering not in column or other not in column:
-                continue
-            p = p_above(per_draw, column[clustering], column[other])
-            versus.append(
-                {
-                    "Method (best policy)": f"{method} ({best.get(method, 'none')})",
-                    "avg": means[column[other]],
-                    f"{CLUSTERING} ({best.get(CLUSTERING, 'none')})": means[column[clustering]],
-                    "clustering adds": means[column[clustering]] - means[column[other]],
-                    "P": f"{p:.2f}",
-                    "resolved": resolved_words(p, n_samples),
-                }
-            )
+        versus = [
+            _clustering_row(
+                df,
+                budget,
+                clustering,
+                variant[method, best.get(method, "none")],
+                f"{method} ({best.get(method, 'none')})",
+            )  # fmt: skip
+            for method in methods
+            if method != CLUSTERING
+            and clustering is not None
+            and (method, best.get(method, "none")) in variant
+        ]
+        versus = [row for row in versus if row is not None]
         policy_table = pd.DataFrame(rows).set_index("Method")
         policy_table.attrs["bold"] = {}
-        tables[f"{budget:g} heads"] = (policy_table, n_samples)
+        tables[f"{budget:g} heads"] = policy_table
         if versus:
-            tables[f"{budget:g} clustering"] = (
-                pd.DataFrame(versus).set_index("Method (best policy)"),
-                n_samples,
-            )
+            tables[f"{budget:g} clustering"] = pd.DataFrame(versus).set_index("Method (best policy)")
     return tables
 
 
@@ -147,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         f"best policy chosen on {args.choose_on}" if args.choose_on else "best policy chosen on these records"
     )
     parts = []
-    for name, (table, n_samples) in tables.items():
+    for name, table in tables.items():
         budget, kind = name.split()
         caption = (
-            f"What a head policy adds over none at budget {budget} ({n_samples} samples; {chosen})"
+            f"What a head policy adds over none at budget {budget} ({chosen}; each row paired on the samples its policies share)"
             if kind == "heads"
-            else f"What clustering adds over each method's best head policy at budget {budget} ({n_samples} samples)"
+            else f"What clustering adds over each method's best head policy at budget {budget} (each row paired on the samples both share)"
         )
         parts.append(markdown_block(caption, table, 1, bold_best=False))
     text = "\n".join(parts)

@@ -49,6 +49,17 @@ def markdown(counts: pd.DataFrame) -> str:
     return to_markdown(table, digits=0, bold_best=False)
 
 
+CAPTION = (
+    "Wrong answers on the multikey tasks: another needle's value (distractor), a value absent "
+    "from the prompt's needles, or no value; per method, context length and budget."
+)
+
+
+def counts_text(counts: pd.DataFrame) -> str:
+    """The file `wrong_answers.md` holds: its caption and the counts' table."""
+    return f"{CAPTION}\n\n{markdown(counts)}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -64,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if counts.empty:
         print(f"error: no multikey records with a wrong_answer field under {args.results}", file=sys.stderr)
         return 2
-    caption = (
-        "Wrong answers on the multikey tasks: another needle's value (distractor), a value absent "
-        "from the prompt's needles, or no value; per method, context length and budget."
-    )
-    text = f"{caption}\n\n{markdown(counts)}\n"
+    text = counts_text(counts)
     try:
         write_text(output_folder(args.out or args.results / "tables") / "wrong_answers.md", text)
     except OutputError as error:

@@ -55,3 +55,27 @@ def test_a_bad_cap_is_one_line(tmp_path, cap):
     with pytest.raises(ValueError, match=r"methods: samples of snapkv: a count >= 1") as error:
         build_run_config(_compose(tmp_path, f"[full,{{name:snapkv,samples:{cap}}}]"), "job")
     assert "\n" not in str(error.value).strip()
+
+
+def test_the_ranking_keeps_every_sample_of_the_uncapped_methods():
+    """With one method capped at 2 samples, the methods run on all 12 are ranked on their 12 (their
+    lead resolved) and then every method on the 2 all share; bold goes by the 12."""
+    import pandas as pd
+
+    from scripts.ranking import ranking_table, top_tier
+
+    scores = {"a": [100.0] * 12, "b": [100.0, 0.0] * 6, "capped": [100.0, 100.0]}
+    df = pd.DataFrame(
+        [
+            {"task": f"t{i % 2}", "sample_id": f"s{i}", "label": label, "method": label, "budget": 0.5,
+             "ok": True, "score": score}
+            for label, values in scores.items()
+            for i, score in enumerate(values)
+        ]
+    )  # fmt: skip
+    table = ranking_table(df, [0.5])
+    main = table[table["samples"] == 12]
+    assert list(main["Method"]) == ["a", "b"] and main["resolved"].iloc[0] == "yes"
+    shared = table[table["samples"] == 2]
+    assert set(shared["Method"]) == {"a", "b", "capped"}
+    assert top_tier(df, 0.5) == {"a"}
