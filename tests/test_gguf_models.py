@@ -17,6 +17,7 @@ from centroidkv import CompressedCache, get_method
 from centroidkv.wheel_models import WHEEL_MODELS, WheelModel
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 32, 2, 4, 2, 64
+VOCAB = 2048  # tokens kept of the embedded vocabulary (write_tiny_qwen2_gguf)
 
 
 def write_tiny_qwen2_gguf(path: Path) -> Path:
@@ -24,7 +25,16 @@ def write_tiny_qwen2_gguf(path: Path) -> Path:
     from gguf import GGUFReader, GGUFWriter
 
     source = GGUFReader(models.embedded_gguf_path())
-    tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    # The embedded vocabulary cut to its first VOCAB tokens (the byte tokens among them) and the merges
+    # that stay inside it: GGUF readers parse every string, and the whole 49k vocabulary with its
+    # merges made each conversion of this 2-layer model take tens of seconds.
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()[:VOCAB]
+    kept = set(tokens)
+    merges = [
+        merge
+        for merge in source.fields["tokenizer.ggml.merges"].contents()
+        if {*merge.split(" "), merge.replace(" ", "")} <= kept
+    ]
     writer = GGUFWriter(str(path), "qwen2")
     writer.add_context_length(4096)
     writer.add_embedding_length(HIDDEN)
@@ -36,8 +46,8 @@ def write_tiny_qwen2_gguf(path: Path) -> Path:
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents()[:VOCAB])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
