@@ -66,7 +66,9 @@ def best_policies(df: pd.DataFrame, budget: float) -> dict[str, str]:
     return best
 
 
-def paired(df: pd.DataFrame, budget: float, labels: list[str]) -> tuple[dict[str, float], object, int] | None:
+def paired(
+    df: pd.DataFrame, budget: float, labels: list[str]
+) -> tuple[dict[str, float], float | None, int] | None:
     """The paired bootstrap of `labels` alone at `budget`, on the samples they all finished (a capped
     method is compared on its own samples, not cut to the fewest of the job): (label -> mean,
     P(first > second) or None for one label, samples), or None when they share no sample."""
@@ -99,17 +101,20 @@ def _policy_row(df: pd.DataFrame, budget: float, method: str, variant: dict, cho
     return row
 
 
-def _clustering_row(df: pd.DataFrame, budget: float, clustering: str, other: str, method: str) -> dict | None:
-    """CentroidKV under its best policy against `method` under its own, on the samples both finished."""
-    found = paired(df, budget, [clustering, other])
+def _clustering_row(
+    df: pd.DataFrame, budget: float, clustering: tuple[str, str], other: tuple[str, str]
+) -> dict | None:
+    """CentroidKV under its best policy against another method under its own, on the samples both
+    finished; each side given as (label, name shown: "method (policy)")."""
+    found = paired(df, budget, [clustering[0], other[0]])
     if found is None:
         return None
     means, p, n_samples = found
     return {
-        "Method (best policy)": method,
-        "avg": means[other],
-        clustering: means[clustering],
-        "clustering adds": means[clustering] - means[other],
+        "Method (best policy)": other[1],
+        "avg": means[other[0]],
+        clustering[1]: means[clustering[0]],
+        "clustering adds": means[clustering[0]] - means[other[0]],
         "P": f"{p:.2f}",
         "resolved": resolved_words(p, n_samples),
         "samples": n_samples,
@@ -128,22 +133,16 @@ def attribution(df: pd.DataFrame, chooser: pd.DataFrame | None) -> dict[str, pd.
         }
         best = best_policies(chooser if chooser is not None else df, budget)
         methods = list(dict.fromkeys(at_budget["method"]))
-        rows = [_policy_row(df, budget, m, variant, best.get(m, "none")) for m in methods]
+        chosen = {method: best.get(method, "none") for method in methods}
+        rows = [_policy_row(df, budget, method, variant, chosen[method]) for method in methods]
         if not any(row["samples"] for row in rows):
             continue
-        clustering = variant.get((CLUSTERING, best.get(CLUSTERING, "none")))
+        own_policy = chosen.get(CLUSTERING, "none")
+        clustering = (variant.get((CLUSTERING, own_policy)), f"{CLUSTERING} ({own_policy})")
         versus = [
-            _clustering_row(
-                df,
-                budget,
-                clustering,
-                variant[method, best.get(method, "none")],
-                f"{method} ({best.get(method, 'none')})",
-            )  # fmt: skip
-            for method in methods
-            if method != CLUSTERING
-            and clustering is not None
-            and (method, best.get(method, "none")) in variant
+            _clustering_row(df, budget, clustering, (variant[method, policy], f"{method} ({policy})"))
+            for method, policy in chosen.items()
+            if method != CLUSTERING and clustering[0] is not None and (method, policy) in variant
         ]
         versus = [row for row in versus if row is not None]
         policy_table = pd.DataFrame(rows).set_index("Method")
