@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hardening_round2 import FakeGguf, fake_conversion  # noqa: F401  (a fixture)
+from test_model_conversion_recovery import FakeGguf, fake_conversion  # noqa: F401  (a fixture)
 from test_model_folder_safety import ROOT, cache_with_schema
 
 import centroidkv.model_names as model_names
