@@ -111,7 +111,7 @@ WORKERS ?= $(if $(filter smollm2-135m,$(MODEL)),$(shell nproc 2>/dev/null || ech
 R_VALUES ?= 0.1,0.2,0.3,0.5,1.0
 ARGS ?=
 
-.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables published zoo ablate ablate-centroidkv heads precision long long-dev bench-prefill
+.PHONY: reproduce-ruler reproduce-longbench sweep-r speed figures tables published verify-published zoo ablate ablate-centroidkv heads precision long long-dev bench-prefill
 
 reproduce-ruler: $(STAMP)
 	$(PYTHON) scripts/run.py experiment=$(RULER_EXPERIMENT) model=$(MODEL) workers=$(WORKERS) $(ARGS)
@@ -204,6 +204,13 @@ speed: $(STAMP)
 # results/<experiment>/tables/ and figures/): `rm -rf results/*/ && make published` (about a minute).
 published: $(STAMP)
 	$(PYTHON) scripts/compact_records.py tables results/*.jsonl.gz
+
+# Does a rerun equal its record? Chosen samples of a committed experiment rerun through the job's own
+# path, and the records that differ from the committed ones, one line each (scripts/verify_published.py):
+# VERIFY=results/<experiment>.jsonl.gz, ARGS="--samples <id>,<id>" or ARGS="--first N" (default: all).
+VERIFY ?= results/rerun_check.jsonl.gz
+verify-published: $(STAMP)
+	$(PYTHON) scripts/verify_published.py $(VERIFY) $(ARGS)
 
 tables: $(STAMP)
 	for dir in results/*/; do $(PYTHON) scripts/tables.py "$$dir" || true; done

@@ -30,7 +30,7 @@ from centroidkv.plan import (
     run,
 )
 from eval.benchmarks import Benchmark, Sample
-from eval.run_config import MethodSpec
+from eval.run_config import MethodSpec, RunConfig
 from eval.samples import encode_prompt, sample_id
 
 
@@ -56,6 +56,14 @@ class Evaluator:
         self.benchmark = benchmark
         self.vocab = model.config.vocab_size
         self.eos = eos_token_ids(model, tokenizer)
+
+    @classmethod
+    def of_job(cls, cfg: RunConfig, model, tokenizer) -> Evaluator:
+        """The evaluator of a job's config (its methods, benchmark, budget unit, prefill sharing and
+        decode batch)."""
+        return cls(
+            model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
+        )
 
     def prompt(self, sample: Sample, specs: list[MethodSpec] | None = None) -> Prompt:
         """The sample's prompt under the benchmark's protocol and context-only, each sample tokenized

@@ -114,7 +114,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     identity = cfg.identity()
     if not _store_open(cfg, store, identity):
         return None
-    model, tokenizer, samples = _load_for(cfg)
+    model, tokenizer, samples = load_for(cfg)
     resolved = cfg.identity()  # a head file calibrated just now is named with its content hash
     if resolved != identity:
         identity = resolved
@@ -131,9 +131,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     from eval.wandb_logger import make_logger
 
     logger = make_logger(cfg, document)
-    evaluator = Evaluator(
-        model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
-    )
+    evaluator = Evaluator.of_job(cfg, model, tokenizer)
     del model
     if cfg.workers > 1:  # each worker loads, warms up and runs its own copy: this one would sit idle
         evaluator.model = None
@@ -143,8 +141,7 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
     started = time.perf_counter()
 
     def keep(record: dict[str, Any]) -> None:
-        record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
-        record.update(method_fields.get(record.get("variant"), {}))
+        name_record(record, cfg, method_fields)
         store.append(record)
         logger.log_record(record)
         records.pop(record_key(record), None)  # a retried record moves to the end, as in the file
@@ -163,6 +160,13 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         )
     store.finish(summary)
     return summary
+
+
+def name_record(record: dict[str, Any], cfg: RunConfig, method_fields: dict[str, dict[str, Any]]) -> None:
+    """What a record of `cfg`'s job says besides its outcome: the job that wrote it, the machine's
+    load, and its variant's fields beyond the parameters (`RunConfig.method_fields`)."""
+    record.update(model=cfg.model.name, experiment=cfg.experiment, job=cfg.job, **machine_load())
+    record.update(method_fields.get(record.get("variant"), {}))
 
 
 def _store_open(cfg: RunConfig, store: JobStore, identity: dict[str, Any]) -> bool:
@@ -194,7 +198,7 @@ def _load_existing(store: JobStore) -> list[dict[str, Any]]:
     return existing
 
 
-def _load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
+def load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
     """The job's model, tokenizer and samples, with the head files its methods need (calibrated now
     when missing, never inside a compression); SetupError (one line) when any of it fails."""
     from centroidkv import get_method
@@ -214,17 +218,12 @@ def _load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
     return model, tokenizer, samples
 
 
-def _run_samples(
-    cfg: RunConfig,
-    evaluator: Evaluator,
-    samples: list,
-    done: set,
-    keep: Callable[[dict[str, Any]], None],
-    records: dict,
-) -> None:
-    """Each sample's pending methods through the evaluator (or `cfg.workers` processes of their own:
-    `eval.workers`), every record to `keep` as it comes; the progress bar shows the running score of
-    `records` (kept ones included)."""
+def pending_work(
+    cfg: RunConfig, evaluator: Evaluator, samples: list, done: set
+) -> list[tuple[dict[str, Any], list]]:
+    """Each sample with the method entries it still needs, in the job's order: an entry with a samples
+    cap runs on the first samples of each task and length (`MethodSpec.runs_on`), and a record key in
+    `done` is not run again; samples with nothing left are left out."""
     work, seen = [], Counter()
     for sample in samples:
         probe = evaluator.base_record(sample)
@@ -238,6 +237,21 @@ def _run_samples(
         ]
         if pending:
             work.append((sample, pending))
+    return work
+
+
+def _run_samples(
+    cfg: RunConfig,
+    evaluator: Evaluator,
+    samples: list,
+    done: set,
+    keep: Callable[[dict[str, Any]], None],
+    records: dict,
+) -> None:
+    """Each sample's pending methods through the evaluator (or `cfg.workers` processes of their own:
+    `eval.workers`), every record to `keep` as it comes; the progress bar shows the running score of
+    `records` (kept ones included)."""
+    work = pending_work(cfg, evaluator, samples, done)
     skipped = len(samples) - len(work)
     # closed on an interrupt too, so that the one error line starts a line of its own
     bar = tqdm(

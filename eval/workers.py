@@ -84,9 +84,7 @@ def _work(cfg: RunConfig, share: list[tuple[dict[str, Any], list[MethodSpec]]], 
 
         torch.set_num_threads(1)
         model, tokenizer = load_model_for(cfg)
-        evaluator = Evaluator(
-            model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
-        )
+        evaluator = Evaluator.of_job(cfg, model, tokenizer)
         if cfg.warmup:
             evaluator.warm_up()
         for sample, pending in share:
