@@ -1,0 +1,66 @@
+"""A rerun equals its record: the small committed job results/rerun_check.jsonl.gz (the embedded
+SmolLM2 on RULER at 1k, every fork of a sample decoded as a row of one batch, H2O's received-attention
+prefill among them) runs again through the job's own path (scripts/verify_published.py), and every
+field the tables read equals the committed one."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from eval.compact_store import read_compact
+from eval.run_config import ConfigError
+from scripts.verify_published import differences, job_config, main, rerun_job
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPACT = ROOT / "results" / "rerun_check.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def rerun_records() -> list[dict]:
+    header, _ = read_compact(COMPACT)
+    [(job, identity)] = header["identities"].items()
+    with tempfile.TemporaryDirectory() as results_dir:
+        config = job_config(job, identity, [], Path(results_dir))
+    return rerun_job(config, job, None, None)
+
+
+def test_the_whole_job_is_rerun_with_centroidkv_batched_among_other_forks(rerun_records):
+    _, committed = read_compact(COMPACT)
+    assert len(rerun_records) == len(committed) > 0
+    batched = [r for r in rerun_records if r["method"] == "centroidkv" and r["decode_batch"] > 1]
+    assert batched and all(r["status"] == "ok" for r in rerun_records)
+
+
+def test_every_rerun_record_equals_its_committed_one(rerun_records):
+    _, committed = read_compact(COMPACT)
+    assert differences(committed, rerun_records) == []
+
+
+def test_a_committed_score_edited_by_one_point_is_the_one_line_reported(rerun_records):
+    _, committed = read_compact(COMPACT)
+    edited = next(r for r in committed if r["method"] == "centroidkv")
+    before = edited["score"]
+    edited["score"] = before + 1
+    [line] = differences(committed, rerun_records)
+    assert line.endswith(
+        f"{edited['sample_id']} centroidkv@{edited['budget']:g}: score {before + 1!r} -> {before!r}"
+    )
+
+
+def test_a_composed_job_with_other_settings_is_refused_in_one_line_before_any_model_loads(
+    no_model_loading, capsys
+):
+    assert main([str(COMPACT), "--override", "benchmark.max_new_tokens=16"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "is not the committed job: benchmark.max_new_tokens (24 committed, 16 now)" in line
+
+
+def test_the_identity_check_names_the_overrides_it_composed():
+    header, _ = read_compact(COMPACT)
+    [(job, identity)] = header["identities"].items()
+    with tempfile.TemporaryDirectory() as results_dir, pytest.raises(ConfigError) as refused:
+        job_config(job, {**identity, "decode_batch": 1}, [], Path(results_dir))
+    assert refused.value.lines[0].startswith(f"{job}: experiment=rerun_check model=smollm2-135m is not")
