@@ -204,8 +204,20 @@ class JobStore:
 
     # --- files --------------------------------------------------------------------------------
     def prepare(self, config_yaml: str, env: dict[str, Any]) -> None:
+        """Write the job's config and environment; a resumed job's env.json keeps the commits its
+        earlier runs were on (`earlier_git_commits`), whose records are still in the file."""
         atomic_write(self.dir / CONFIG, config_yaml)
+        env = {**env, "earlier_git_commits": self._earlier_commits(env.get("git_commit"))}
         atomic_write(self.dir / "env.json", json.dumps(env, indent=2, default=str) + "\n")
+
+    def _earlier_commits(self, commit: str | None) -> list[str]:
+        """The commits of this job's earlier runs other than `commit`, when it has records."""
+        try:
+            before = json.loads((self.dir / "env.json").read_text()) if self.records_path.exists() else {}
+        except (OSError, ValueError):
+            before = {}
+        earlier = [*before.get("earlier_git_commits", []), before.get("git_commit")]
+        return [c for c in dict.fromkeys(earlier) if c and c != commit]
 
     def load(self) -> list[dict[str, Any]]:
         """Existing records, cleaned on disk when a previous run was killed mid-write; complete lines

@@ -54,22 +54,27 @@ def _commit() -> str | None:
 
 
 def _run_commit(paths: list[Path]) -> str | None:
-    """The commit the jobs under `paths` ran on (their env.json), else this checkout's: records exported
-    later, from another checkout, still name the code that made them."""
+    """The commit the jobs under `paths` ran on (their env.json, with the commits of earlier runs of
+    a resumed job), else this checkout's: records exported later, from another checkout, still name
+    the code that made them."""
     found = set()
     for path in paths:
-        for env in sorted(path.rglob("env.json")) if path.is_dir() else []:
-            found.add(json.loads(env.read_text()).get("git_commit"))
+        for env_file in sorted(path.rglob("env.json")) if path.is_dir() else []:
+            env = json.loads(env_file.read_text())
+            found.update([env.get("git_commit"), *env.get("earlier_git_commits", [])])
     found.discard(None)
     if len(found) > 1:
         raise ValueError(
-            f"the jobs ran on {len(found)} commits ({', '.join(sorted(found))}): export them apart"
+            f"the jobs ran on {len(found)} commits ({', '.join(sorted(found))}): export them apart, or name"
+            " the commit whose code made every record with --commit"
         )
     return found.pop() if found else _commit()
 
 
-def export(paths: list[Path], out: Path, command: str) -> int:
-    """Write the compact file of the records under `paths`; returns the number of records."""
+def export(paths: list[Path], out: Path, command: str, commit: str | None = None) -> int:
+    """Write the compact file of the records under `paths`; returns the number of records. `commit`:
+    the code that made them, when their jobs ran on several commits (a job resumed on a later one
+    whose code is the same)."""
     identities: dict[str, Any] = {}
     lines = []
     for record in iter_records(paths):
@@ -78,7 +83,7 @@ def export(paths: list[Path], out: Path, command: str) -> int:
         lines.append(json.dumps({k: record[k] for k in COMPACT_FIELDS if k in record}, sort_keys=True))
     header = {
         "compact": FORMAT_VERSION,
-        "commit": _run_commit(paths),
+        "commit": commit or _run_commit(paths),
         "command": command,
         "identities": identities,
     }
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="default: <path>.jsonl.gz, beside the experiment's folder"
     )
     exporting.add_argument("--command", required=True, help="the command that produced the records")
+    exporting.add_argument("--commit", help="the commit whose code made every record (a resumed job's)")
     tabling = commands.add_parser("tables", help="compact files -> their tables")
     tabling.add_argument("compact", type=Path, nargs="+")
     tabling.add_argument(
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "export":
             out = args.out or args.path.parent / f"{args.path.name}{SUFFIX}"
-            print(f"[compact] {export([args.path], out, args.command)} records -> {out}")
+            print(f"[compact] {export([args.path], out, args.command, args.commit)} records -> {out}")
         elif args.out and len(args.compact) > 1:
             raise ValueError("--out takes one compact file's tables; give one file or no --out")
         else:

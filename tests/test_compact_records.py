@@ -65,3 +65,22 @@ def test_export_names_the_commit_the_jobs_ran_on_not_the_exporting_checkout(tmp_
     (second / "env.json").write_text(json.dumps({"git_commit": "b" * 40}))
     with pytest.raises(ValueError, match="2 commits"):
         compact_records.export([tmp_path / "jobs"], out, "make something")
+    assert compact_records.export([tmp_path / "jobs"], out, "make something", commit="c" * 40) > 0
+    with gzip.open(out, "rt") as handle:
+        assert json.loads(handle.readline())["commit"] == "c" * 40
+
+
+def test_a_job_resumed_on_another_commit_keeps_the_earlier_one(tmp_path):
+    """Before, a resumed job's env.json named only the commit of its last run, so records computed on
+    the earlier commit were exported as the later one's (the 16k study: started at 6cc38ff)."""
+    from eval.job_store import JobStore
+
+    jobs = compact_records.expand(COMPACT, tmp_path / "jobs")
+    store = JobStore(jobs[0])
+    store.prepare("config", {"git_commit": "a" * 40})
+    store.prepare("config", {"git_commit": "b" * 40})
+    store.prepare("config", {"git_commit": "b" * 40})
+    env = json.loads((jobs[0] / "env.json").read_text())
+    assert env["git_commit"] == "b" * 40 and env["earlier_git_commits"] == ["a" * 40]
+    with pytest.raises(ValueError, match="2 commits"):
+        compact_records.export([tmp_path / "jobs"], tmp_path / "out.jsonl.gz", "make something")
