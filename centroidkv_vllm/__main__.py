@@ -1,13 +1,16 @@
 """`python -m centroidkv_vllm generate|workload ...`: greedy generation through vLLM's own engine,
-with or without the plugin, printed as JSON.
+with or without the plugin.
 
-- `generate`: the built-in prompts through `LLM.generate` (token ids per prompt and the wall time).
+- `generate`: the built-in prompts through `LLM.generate`, each prompt's generated text printed
+  (vLLM's log kept back unless `--verbose`); with `--json` one `CENTROIDKV_RESULT {...}` line instead
+  (prompt and generated token ids, texts, wall time) beside vLLM's whole log.
 - `workload`: `--requests` different document prompts of `--prompt-tokens` tokens, stepped through
   the engine in this process (`centroidkv_vllm.workload`): tokens, and the scheduler's running count
   and free blocks after every step, TTFT and finish time per request.
 - `profile`: the same prompts, and once every prompt is in and `--warm-steps` more have run, `--steps`
   decode steps under cProfile: milliseconds per step and the functions that took the most time
   (where a decode step's time goes, e.g. the plugin's attention against vLLM's kernel).
+  `workload` and `profile` print their `CENTROIDKV_RESULT` line.
 
 Stock vLLM: `--stock` (the engine is started with VLLM_PLUGINS naming no plugin, so CPU_ATTN is
 vLLM's own); otherwise the plugin with `--budget R` and the other `CentroidConfig` settings, and its
@@ -69,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="greedy tokens of the built-in prompts, as JSON")
     add_engine_args(gen)
     gen.add_argument("--long-chars", type=int, default=0, help="add a long prompt of this many characters")
+    gen.add_argument("--json", action="store_true", help="one CENTROIDKV_RESULT JSON line, vLLM's log kept")
+    gen.add_argument("--verbose", action="store_true", help="vLLM's log, with the texts")
     work = sub.add_parser("workload", help="document prompts stepped through the engine, as JSON")
     add_engine_args(work)
     work.add_argument("--requests", type=int, default=8)
@@ -152,6 +157,7 @@ def generate(args: argparse.Namespace) -> dict:
         "prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
         "prompt_ids": [list(o.prompt_token_ids) for o in outputs],
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "texts": [o.outputs[0].text for o in outputs],
         "seconds": round(time.perf_counter() - start, 2),
     }
 
@@ -178,18 +184,32 @@ def profile(args: argparse.Namespace) -> dict:
     return {**engine_of(args), **profile_steps(llm, documents, args.warm_steps, args.steps, args.top)}
 
 
-def main(argv: list[str]) -> dict:
+def as_text(result: dict) -> str:
+    """`generate`'s result for a reader: each prompt's generated text under a rule."""
+    engine = "stock vLLM" if result["stock"] else f"CentroidKV at {result['budget']:g} of the KV"
+    blocks = [
+        f"--- prompt {index + 1} ({tokens} tokens), {engine}:\n{text.strip()}"
+        for index, (tokens, text) in enumerate(zip(result["prompt_tokens"], result["texts"], strict=True))
+    ]
+    return "\n".join(blocks) + f"\n--- {result['seconds']} s"
+
+
+def main(argv: list[str]) -> tuple[dict, bool]:
+    """The command's result, and whether it is printed as the JSON line."""
     args = parse_args(argv)
     plugin_settings(args)  # a bad setting: one line, before the engine starts
-    return {"generate": generate, "workload": workload, "profile": profile}[args.command](args)
+    as_json = args.command != "generate" or args.json
+    if not as_json and not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported
+    return {"generate": generate, "workload": workload, "profile": profile}[args.command](args), as_json
 
 
 if __name__ == "__main__":
     from centroidkv_vllm.config import SettingsError
 
     try:
-        result = main(sys.argv[1:])
+        result, as_json = main(sys.argv[1:])
     except SettingsError as error:
         print(f"python -m centroidkv_vllm: {error}", file=sys.stderr)
         sys.exit(2)
-    print("CENTROIDKV_RESULT " + json.dumps(result))
+    print("CENTROIDKV_RESULT " + json.dumps(result) if as_json else as_text(result))

@@ -25,7 +25,14 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE
 def run_generate(*args: str, command: str = "generate") -> tuple[dict | None, str]:
     """`python -m centroidkv_vllm COMMAND ARGS` in its own process: (result, log)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "centroidkv_vllm", command, *args],
+        [
+            sys.executable,
+            "-m",
+            "centroidkv_vllm",
+            command,
+            *args,
+            *(["--json"] if command == "generate" else []),
+        ],
         capture_output=True,
         text=True,
         env=ENV,
