@@ -1,6 +1,6 @@
 """The vLLM plugin's greedy tokens against the harness's own CentroidKV on the same token ids.
 
-    python -m centroidkv_vllm generate --budget 0.5 --long-chars 3000 > plugin.out   # .venv-serve
+    python -m centroidkv_vllm generate --json --budget 0.5 --long-chars 3000 > plugin.out   # .venv-serve
     python scripts/serve_vs_harness.py plugin.out [--dtype bfloat16]                  # .venv
 
 Reads the plugin's `CENTROIDKV_RESULT` line (prompt ids, budget, generated tokens), runs the
