@@ -11,6 +11,8 @@ with or without the plugin.
   decode steps under cProfile: milliseconds per step and the functions that took the most time
   (where a decode step's time goes, e.g. the plugin's attention against vLLM's kernel).
   `workload` and `profile` print their `CENTROIDKV_RESULT` line.
+- `serve [MODEL]`: vLLM's OpenAI-compatible server with the plugin (`centroidkv_vllm.server`);
+  arguments after `--` go to the server.
 
 Stock vLLM: `--stock` (the engine is started with VLLM_PLUGINS naming no plugin, so CPU_ATTN is
 vLLM's own); otherwise the plugin with `--budget R` and the other `CentroidConfig` settings, and its
@@ -78,6 +80,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_engine_args(work)
     work.add_argument("--requests", type=int, default=8)
     work.add_argument("--prompt-tokens", type=int, default=1024)
+    serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the plugin")
+    add_engine_args(serve)
+    serve.add_argument("model_path", nargs="?", help="the model folder (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.set_defaults(max_tokens=256)  # the plugin's room for new tokens per request
     prof = sub.add_parser("profile", help="decode steps under cProfile: ms per step, top functions")
     add_engine_args(prof)
     prof.add_argument("--requests", type=int, default=4)
@@ -88,6 +97,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # serve-bench's new tokens (the budget's Gamma, and room to profile) and its running limit
     prof.set_defaults(max_tokens=512, max_num_seqs=64)
     args = parser.parse_args(argv)
+    if getattr(args, "model_path", None):
+        args.model = args.model_path
     if args.command == "profile" and (
         min(args.steps, args.top, args.requests) < 1 or args.max_tokens <= args.warm_steps + args.steps
     ):
@@ -119,7 +130,9 @@ def llm_args(args: argparse.Namespace) -> dict:
     from centroidkv_vllm.workload import engine_args
 
     settings = plugin_settings(args)
-    max_model_len = 4096 if args.command == "generate" else args.prompt_tokens + args.max_tokens
+    max_model_len = {"generate": 4096, "serve": getattr(args, "max_model_len", 0)}.get(
+        args.command, getattr(args, "prompt_tokens", 0) + args.max_tokens
+    )
     result = engine_args(args.model, settings, int(args.kv_mib * (1 << 20)), args.max_num_seqs, max_model_len)
     result["enable_prefix_caching"] = args.enable_prefix_caching
     result["dtype"] = args.dtype
@@ -194,10 +207,25 @@ def as_text(result: dict) -> str:
     return "\n".join(blocks) + f"\n--- {result['seconds']} s"
 
 
+def serve(args: argparse.Namespace, server_args: list[str]) -> None:
+    """Replace this process by vLLM's OpenAI server with the plugin (stock vLLM with --stock)."""
+    from centroidkv_vllm.server import server_argv
+
+    if args.stock:
+        os.environ["VLLM_PLUGINS"] = ""
+    engine = {**llm_args(args), "served_model_name": Path(args.model).name}  # the name clients ask for
+    argv = server_argv(engine, args.host, args.port, server_args)
+    print("python -m centroidkv_vllm serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    os.execv(argv[0], argv)
+
+
 def main(argv: list[str]) -> tuple[dict, bool]:
-    """The command's result, and whether it is printed as the JSON line."""
-    args = parse_args(argv)
+    """The command's result, and whether it is printed as the JSON line (`serve` never returns)."""
+    server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parse_args(argv[: len(argv) - len(server_args) - (1 if "--" in argv else 0)])
     plugin_settings(args)  # a bad setting: one line, before the engine starts
+    if args.command == "serve":
+        serve(args, server_args)
     as_json = args.command != "generate" or args.json
     if not as_json and not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read when vLLM is first imported

@@ -12,9 +12,9 @@ start on are its own (prefix caching, which would share them, is refused in `cen
 while its first block may have been freed and given to another request. Its state is reset by its
 first prefill chunk (computed length 0).
 
-The merging is the harness's: `CentroidKV.compress` (Chunked Soft Matching and degree-weighted
-centroids, `centroidkv.csm`) on the unprotected middle, with the sinks and the recent window spliced
-around it as `centroidkv.cache.CompressedLayer.compress` does (arXiv 2506.11418, Sec. 3).
+The merging is the harness's own function, `centroidkv.compression.compress_protected`: the sinks and
+the recent window kept, `CentroidKV.compress` (Chunked Soft Matching and degree-weighted centroids,
+`centroidkv.csm`) on the middle (arXiv 2506.11418, Sec. 3).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import Tensor
 
 from centroidkv.budget import fit_protected
 from centroidkv.centroidkv import CentroidKV
+from centroidkv.compression import compress_protected
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv_vllm.config import CentroidConfig
 from centroidkv_vllm.paged import read_entries, request_slots, write_entries
@@ -56,22 +57,17 @@ class LayerCache:
 def compress_layer(
     layer: LayerCache, slots: Tensor, budget: int, method: CentroidKV, stats: LayerStats
 ) -> None:
-    """Merge the entries at `slots` (a request's kept positions, in order) down to `budget` entries,
-    written with their log-degrees to the last `budget` of those slots (the recent window stays put)."""
-    length = slots.numel()
-    keys, values = read_entries(layer.kv_cache, slots)
+    """Merge the entries at `slots` (a request's kept positions, in order) down to `budget` entries
+    with the library's `compress_protected`, written with their log-degrees to the last `budget` of
+    those slots (the recent window stays put)."""
+    keys, values = read_entries(layer.kv_cache, slots)  # [H, L, D]
     log_degree = layer.log_degree[slots].t()  # [H, L]
     n_sink, n_recent = fit_protected(budget, method.n_sink, method.n_recent, "centroidkv at this budget")
-    middle = slice(n_sink, length - n_recent)
-    segment = LayerKV(keys[None, :, middle], values[None, :, middle], log_degree[None, :, middle])
-    kept = method.compress(segment, budget - n_sink - n_recent, stats)
-
-    def splice(full: Tensor, new_middle: Tensor) -> Tensor:
-        return torch.cat([full[:, :n_sink], new_middle.to(full.dtype), full[:, length - n_recent :]], dim=1)
-
-    out = slots[length - budget :]
-    write_entries(layer.kv_cache, out, splice(keys, kept.keys[0]), splice(values, kept.values[0]), layer.isa)
-    layer.log_degree[out] = splice(log_degree, kept.log_degree[0]).t()
+    entries = LayerKV(keys[None], values[None], log_degree[None])
+    kept = compress_protected(entries, budget, method, stats, n_sink, n_recent)
+    out = slots[slots.numel() - budget :]
+    write_entries(layer.kv_cache, out, kept.keys[0], kept.values[0], layer.isa)
+    layer.log_degree[out] = kept.log_degree[0].t()
 
 
 class Tracker:

@@ -21,6 +21,7 @@ import torch
 from centroidkv.methods import get_method
 from centroidkv.models import load_model
 from centroidkv.plan import Prompt, Run, run
+from centroidkv_vllm.config import CentroidConfig
 
 MODEL = Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"
 
@@ -54,14 +55,8 @@ def main() -> None:
     plugin = read_result(args.result)
     budget = plugin["budget"] or 1.0
     model, _ = load_model(str(MODEL), dtype=getattr(torch, args.dtype))
-    method = get_method(
-        "centroidkv",
-        similarity="post_rope",
-        heads="none",
-        n_sink=args.n_sink,
-        n_recent=args.n_recent,
-        compress_interval=args.compress_interval,
-    )
+    settings = {"n_sink": args.n_sink, "n_recent": args.n_recent, "compress_interval": args.compress_interval}
+    method = CentroidConfig.from_dict(settings).method()  # the plugin's own method for these settings
     runs = [Run(get_method("full"), 1.0), Run(method, budget)]
     compared = []
     for ids, tokens in zip(plugin["prompt_ids"], plugin["tokens"]):

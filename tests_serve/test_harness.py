@@ -42,7 +42,7 @@ def test_plugin_tokens_and_entries_equal_the_harness(tmp_path):
     settings = ("--budget", str(BUDGET), "--compress-interval", str(INTERVAL), "--max-tokens", str(NEW))
     result, log = run_generate(*settings, "--dtype", "float32", "--long-chars", "3000")
     assert result is not None, log[-3000:]
-    assert result["prompt_tokens"][-1] > 900  # the long prompt is compressed, then twice more
+    assert result["prompt_tokens"][-1] > 700  # the long prompt (723 tokens) is compressed, then twice more
     plugin_out = tmp_path / "plugin.out"
     plugin_out.write_text("CENTROIDKV_RESULT " + json.dumps(result) + "\n")
     proc = subprocess.run(
