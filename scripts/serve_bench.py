@@ -19,10 +19,12 @@ concurrency, i.e. the most that freeing KV memory could buy here. The plugin als
 pool (4 bytes per KV head, layer and slot: 1.6 % of the bf16 KV bytes at head dim 64), not in the pool.
 
     .venv-serve/bin/python scripts/serve_bench.py            # 16 x (2048 + 512) tokens, pool of 4
-    .venv-serve/bin/python scripts/serve_bench.py --quick    # 8 x (1024 + 256) tokens, pool of 2
+    .venv-serve/bin/python scripts/serve_bench.py --quick    # 8 x (1024 + 256) tokens, pool of 2:
+                                                             # stock and R = 1/4, 1/8 only
 
-Records: results/serve/serve_bench-<UTC time>.json (settings, machine load, one record per row with
-its measures and the raw per-step trace).
+Records: results/serve_bench-<UTC time>.json (settings, machine load, one record per row with its
+measures and the raw per-step trace), a file beside the compact records, so that the README's
+`rm -rf results/*/` keeps it (not committed: .gitignore).
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
-    parser.add_argument("--quick", action="store_true", help="8 x (1024 + 256) tokens, a pool of 2")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 x (1024 + 256) tokens, a pool of 2; stock, R = 1/4 and 1/8"
+    )
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -67,10 +71,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="skip the row of the full cache (R = 1) through the plugin's own attention",
     )
-    parser.add_argument("--out", default=str(REPO / "results" / "serve"))
+    parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompt_tokens, args.new_tokens, args.fit = 8, 1024, 256, 2
+        args.budgets, args.no_own, args.no_unlimited = "0.25,0.125", True, True
     return args
 
 
