@@ -35,7 +35,7 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_the_readme_is_a_tour_and_every_source_it_cites_is_in_the_repository():
-    assert len(README.splitlines()) <= 280, len(README.splitlines())
+    assert len(README.splitlines()) <= 250, len(README.splitlines())
     assert "not in this repository" not in README
     for document in ("README.md", "docs/results.md"):
         assert "issue notes" not in (ROOT / document).read_text(), document
