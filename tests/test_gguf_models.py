@@ -5,6 +5,7 @@ the cache, the tokenizer's special tokens, and a user's own .gguf file through `
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def test_a_users_gguf_file_loads_converted_once_and_compresses(tiny_gguf, tmp_pa
     assert model.centroidkv_name == str(tiny_gguf.resolve()) and tokenizer is not None
     converted = [p for p in (tmp_path / "cache" / "converted").iterdir() if not p.name.startswith(".")]
     assert len(converted) == 1 and converted[0].name.startswith("tiny-qwen2-")
+    written = json.loads((converted[0] / "tokenizer_config.json").read_text())
+    assert written["tokenizer_class"] == "PreTrainedTokenizerFast"  # loads alike in every venv
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 40, return_tensors="pt").input_ids
     cache = CompressedCache(get_method("snapkv"), 0.25, 4)
     with torch.no_grad():
