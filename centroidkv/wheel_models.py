@@ -56,6 +56,11 @@ class WheelModel:
     about: str
 
     @property
+    def tokenizer_settings(self) -> dict[str, str | bool]:
+        """The original's special tokens and BOS rule, as `write_portable_tokenizer` takes them."""
+        return {"eos_token": self.eos_token, "pad_token": self.pad_token, "add_bos_token": self.add_bos_token}
+
+    @property
     def declared_config(self) -> dict[str, int]:
         """Its shape as config.json names it (what its converted folder's config is checked against)."""
         return {
