@@ -3,7 +3,8 @@
 `prefill` runs the prompt with a full cache (recording what query-aware methods need);
 `start_fork` forks it with a (method, budget), compresses and optionally feeds more tokens with
 compression paused (the question, in the context-only protocol); `decode_forks` decodes forks
-greedily, alone or as the rows of one batch; `generate_from` is the two for one fork. Which runs
+greedily, alone or as the rows of one batch; `generate_from` is the two for one fork. (The prompt's
+token ids come from `centroidkv.chat`.) Which runs
 share which prefill, and how forks are batched, is decided once per prompt by `centroidkv.plan.run`.
 What each run measures is declared in `centroidkv.measurements`.
 TTFT = prefill + the fork's compression + the fed tokens; TPOT = mean time of the decode steps
@@ -283,42 +284,3 @@ def generate_from(
     """
     fork = start_fork(model, prefilled, method, budget, max_new_tokens, question_ids, budget_unit)
     return decode_forks(model, [fork], max_new_tokens, eos_token_ids)[0]
-
-
-def chat_text(tokenizer, user_message: str, answer_prefix: str = "", use_chat_template: bool = True) -> str:
-    """The prompt as text: the chat template around `user_message` as the user's turn with the
-    assistant's generation prompt (when the tokenizer has one and `use_chat_template`), then
-    `answer_prefix`."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
-        )
-    else:
-        text = user_message
-    return text + (answer_prefix or "")
-
-
-def chat_prompt_ids(
-    tokenizer,
-    user_message: str,
-    question: str | None = None,
-    context_only: bool = False,
-    answer_prefix: str = "",
-    use_chat_template: bool = True,
-) -> tuple[list[int], list[int]]:
-    """Token ids of a prompt as (the part to prefill, the part fed after compression).
-
-    The chat template (when the tokenizer has one and `use_chat_template`) wraps `user_message` as
-    the user's turn and adds the assistant's generation prompt; `answer_prefix` follows. With
-    `context_only`, the text from the last occurrence of `question` on is the second part (the
-    context-only protocol); otherwise the second part is empty (the full-prompt protocol).
-    """
-    text = chat_text(tokenizer, user_message, answer_prefix, use_chat_template)
-    split = len(text)
-    if context_only and question:
-        found = text.rfind(question)
-        if found > 0:
-            split = found
-    head = tokenizer(text[:split], add_special_tokens=False)["input_ids"]
-    tail = tokenizer(text[split:], add_special_tokens=False)["input_ids"] if split < len(text) else []
-    return head, tail

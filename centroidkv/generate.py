@@ -159,7 +159,7 @@ def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Pro
     """The call's prompt: the chat of the context and the first question, split as `protocol`
     prefills and feeds it, and the other questions' turns (`Prompt.follow_ups`), each following the
     same context."""
-    from centroidkv.decoding import chat_prompt_ids
+    from centroidkv.chat import chat_prompt_ids
     from centroidkv.plan import Prompt
 
     def split(question: str, context_only: bool) -> tuple[list[int], list[int]]:
