@@ -140,7 +140,7 @@ def _questions_and_protocol(question: str | Sequence[str], protocol: str | None)
 def _refused(named: list[tuple[str, Method]], protocol: str, question: str) -> dict[tuple[int, int], Answer]:
     """The answers of the methods that cannot run `protocol` (keyed (method index, 0)): one that
     compresses inside its prefill cannot compress a whole prompt."""
-    from centroidkv.plan import compresses_in_prefill
+    from centroidkv.prefill_compressor import compresses_in_prefill
 
     if protocol != FULL_PROMPT:
         return {}

@@ -19,16 +19,8 @@ from centroidkv import get_method
 from centroidkv.budget import DEFAULT_BUDGET_UNIT
 from centroidkv.decoding import eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.plan import (
-    CONTEXT_ONLY,
-    DEFAULT_DECODE_BATCH,
-    FULL_PROMPT,
-    Outcome,
-    Prompt,
-    Run,
-    compresses_in_prefill,
-    run,
-)
+from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
+from centroidkv.prefill_compressor import compresses_in_prefill
 from eval.benchmarks import Benchmark, Sample
 from eval.run_config import MethodSpec, RunConfig
 from eval.samples import sample_id, sample_prompt
