@@ -266,8 +266,8 @@ class _CompressedOnce:
         """The compressed context, the compression's seconds and its `COMPRESSED` measurements."""
         if self.compressed is None:
             source, method, budget = self.source, self.run.method, self.run.budget
+            unit = self.shared.budget_unit
             with Timer(source.first_token.device).span() as compressing:
-                unit = self.shared.budget_unit
                 cache = source.cache.fork(method, budget, self.shared.max_new_tokens, budget_unit=unit)
             state = RunState(cache, prefill_s=source.seconds, compress_s=compressing.seconds)
             compressed = Prefill(cache, source.first_token, source.seconds)
