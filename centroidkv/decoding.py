@@ -3,9 +3,9 @@
 `prefill` runs the prompt with a full cache (recording what query-aware methods need);
 `start_fork` forks it with a (method, budget), compresses and optionally feeds more tokens with
 compression paused (the question, in the context-only protocol); `decode_forks` decodes forks
-greedily, alone or as the rows of one batch; `generate_from` is the two for one fork. (The prompt's
-token ids come from `centroidkv.chat`.) Which runs
-share which prefill, and how forks are batched, is decided once per prompt by `centroidkv.plan.run`.
+greedily, alone or as the rows of one batch; `generate_from` is the two for one fork; a prompt's
+token ids come from `centroidkv.chat`. Which runs share which prefill, and how forks are batched, is
+decided once per prompt by `centroidkv.plan.run`.
 What each run measures is declared in `centroidkv.measurements`.
 TTFT = prefill + the fork's compression + the fed tokens; TPOT = mean time of the decode steps
 after the first (the first step is a warm-up and is excluded when there are more).
