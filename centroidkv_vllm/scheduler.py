@@ -9,9 +9,10 @@ vLLM's `KVCacheSpecRegistry` (its registry for out-of-tree specs) maps that spec
 `CentroidManager` is vLLM's full-attention manager whose `remove_skipped_blocks` (which vLLM's
 `allocate_slots` calls for every scheduled request before it allocates the step's blocks) frees the
 blocks wholly before the request's kept start (`centroidkv_vllm.plan`), replacing them by the null
-block as vLLM's sliding-window manager does. The worker compresses before the step's forward and
-never reads below that start again, so a block freed here and given to another request in the same
-step is written only after it has been read. New blocks are then allocated for the request's
+block as vLLM's sliding-window manager does. The worker compresses each layer before it writes that
+layer's entries of the step (`centroidkv_vllm.backend`) and never reads below that start again, so a
+block freed here and given to another request in the same step is written only after it has been
+read. New blocks are then allocated for the request's
 logical length, minus the freed ones: a compressed request holds about (B + g) / block_size + 1
 blocks instead of (n + t) / block_size. Prefill still needs all of its prompt's blocks.
 """

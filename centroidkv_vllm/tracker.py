@@ -12,9 +12,12 @@ start on are its own (prefix caching, which would share them, is refused in `cen
 while its first block may have been freed and given to another request. Its state is reset by its
 first prefill chunk (computed length 0).
 
-The merging is the harness's own function, `centroidkv.compression.compress_protected`: the sinks and
-the recent window kept, `CentroidKV.compress` (Chunked Soft Matching and degree-weighted centroids,
-`centroidkv.csm`) on the middle (arXiv 2506.11418, Sec. 3).
+The tracker only decides: each step it gives every request's kept start and the compressions due
+(`Compression`), which the metadata builder hands to the attention as a `CompressionStep`. Each
+layer's attention runs that step on its own cache (`CompressionStep.run`) before it writes the step's
+entries. The merging is the harness's own function, `centroidkv.compression.compress_protected`: the
+sinks and the recent window kept, `CentroidKV.compress` (Chunked Soft Matching and degree-weighted
+centroids, `centroidkv.csm`) on the middle (arXiv 2506.11418, Sec. 3).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class RequestState:
 
 
 class LayerCache:
-    """One attention layer's paged cache and its log-degree table ([num_slots, H] float32)."""
+    """One attention layer's paged cache and its log-degree table ([num_slots, H] float32), held by the
+    layer's attention (`centroidkv_vllm.backend.CentroidImpl`)."""
 
     def __init__(self, kv_cache: Tensor, isa: str):
         num_blocks, heads, block_size, _ = kv_cache.shape
@@ -70,9 +74,50 @@ def compress_layer(
     layer.log_degree[out] = kept.log_degree[0].t()
 
 
+@dataclass(frozen=True)
+class Compression:
+    """A request merged in this step: its entries at `slots` (its logical positions [start, length), in
+    order) down to `budget` entries."""
+
+    slots: Tensor
+    budget: int
+    length: int  # the request's logical (computed) length
+
+
+@dataclass(frozen=True)
+class CompressionStep:
+    """This step's compressions in one KV cache group, the same for each of its layers: every layer runs
+    them on its own cache (`run`) before the step's new entries are written, so a block freed in this
+    step and given to another request is read before that request overwrites it."""
+
+    compressions: tuple[Compression, ...]
+    method: CentroidKV
+    layer_names: tuple[str, ...]  # the group's layers in order (a layer's index for `LayerStats`)
+    scale: float
+
+    def run(self, layer_name: str, layer: LayerCache) -> None:
+        """Merge each due request in this layer's cache and log-degrees (`compress_layer`)."""
+        if not self.compressions:
+            return
+        index = self.layer_names.index(layer_name)
+        stats = LayerStats(layer_idx=index, n_layers=len(self.layer_names), scaling=self.scale)
+        for item in self.compressions:
+            compress_layer(layer, item.slots, item.budget, self.method, stats)
+        if index == len(self.layer_names) - 1:  # the group's last layer: every layer has merged
+            for item in self.compressions:
+                logger.info(
+                    "centroidkv: request at logical length %d compressed from %d to %d entries in %d layers",
+                    item.length,
+                    item.slots.numel(),
+                    item.budget,
+                    len(self.layer_names),
+                )
+
+
 class Tracker:
-    """Decides, before each step's attention, which requests to compress, compresses them in every
-    layer, and gives each request's kept start (first logical position it holds) for the metadata."""
+    """Decides, before each step, which requests are compressed in it, and gives each request's kept
+    start (first logical position it holds) for the metadata; the compressions themselves run in each
+    layer's attention (`CompressionStep`)."""
 
     def __init__(self, config: CentroidConfig, block_size: int, scale: float):
         self.config = config
@@ -81,21 +126,20 @@ class Tracker:
         self.method = config.method()
         self.states: dict[int, RequestState] = {}  # block holding the request's last entry -> state
 
-    def starts(
+    def step(
         self,
-        layers: list[LayerCache],
         seq_lens: Tensor,
         query_lens: Tensor,
         is_prefilling: Tensor | None,
         block_table: Tensor,
-    ) -> list[int]:
-        """Each request's kept start in this step (after compressing those that are due)."""
-        result = []
+    ) -> tuple[list[int], tuple[Compression, ...]]:
+        """Each request's kept start in this step, and the compressions due before its attention."""
+        starts, due = [], []
         for i, (seq_len, query_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
             row = block_table[i]
             last_block = int(row[(seq_len - 1) // self.block_size]) if seq_len > 0 else NULL_BLOCK
             if last_block == NULL_BLOCK or query_len == 0:
-                result.append(0)  # a dummy row (padding, profiling run) or a request without tokens
+                starts.append(0)  # a dummy row (padding, profiling run) or a request without tokens
                 continue
             computed = seq_len - query_len  # logical entries already in the cache
             prefilling = bool(is_prefilling[i]) if is_prefilling is not None else query_len > 1
@@ -107,10 +151,12 @@ class Tracker:
             if state.plan is not None:
                 start = state.plan.start(computed)
                 if state.plan.due(computed):
-                    self._compress(layers, state, row, state.plan.start(computed - 1), computed)
+                    slots = request_slots(row, state.plan.start(computed - 1), computed, self.block_size)
+                    due.append(Compression(slots, state.plan.budget, computed))
+                    state.compressions += 1
             self.states[last_block] = state
-            result.append(start)
-        return result
+            starts.append(start)
+        return starts, tuple(due)
 
     def _state(self, row: Tensor, computed: int) -> RequestState:
         """A new state for a request's first chunk, else the one keyed by the block of its last entry."""
@@ -121,21 +167,3 @@ class Tracker:
             logger.warning("centroidkv: no state for a request at length %d; started afresh", computed)
             return RequestState()
         return state
-
-    def _compress(
-        self, layers: list[LayerCache], state: RequestState, row: Tensor, start: int, end: int
-    ) -> None:
-        """Merge the request's entries at logical positions [start, end) to B in every layer."""
-        budget = state.plan.budget
-        slots = request_slots(row, start, end, self.block_size)
-        for index, layer in enumerate(layers):
-            stats = LayerStats(layer_idx=index, n_layers=len(layers), scaling=self.scale)
-            compress_layer(layer, slots, budget, self.method, stats)
-        state.compressions += 1
-        logger.info(
-            "centroidkv: request at logical length %d compressed from %d to %d entries in %d layers",
-            end,
-            end - start,
-            budget,
-            len(layers),
-        )

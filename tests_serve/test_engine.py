@@ -73,6 +73,41 @@ def test_budget_one_gives_stock_tokens(stock, plugin_at_one):
     assert result["tokens"] == stock["tokens"]
 
 
+# The plugin loaded (its backend replaces CPU_ATTN) but the engine not configured for it.
+UNCONFIGURED = """
+import json, sys
+from vllm import SamplingParams
+from centroidkv_vllm import __main__ as cli, workload
+args = cli.parse_args(sys.argv[1:])
+engine = cli.llm_args(args)
+del engine["additional_config"], engine["scheduler_cls"]
+llm = workload.make_llm(engine, stock=False)
+layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context.values()
+prompts = [*cli.SHORT_PROMPTS, cli.long_prompt(args.long_chars)]
+params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+outputs = llm.generate(prompts, params, use_tqdm=False)
+print("UNCONFIGURED " + json.dumps({
+    "impls": sorted({type(layer.impl).__name__ for layer in layers if hasattr(layer, "impl")}),
+    "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+}))
+"""
+
+
+@needs_model
+def test_the_unconfigured_backend_gives_stock_tokens(stock):
+    """Without `additional_config["centroidkv"]` the plugin's backend (which writes the step's entries in
+    its own forward) is stock vLLM's attention: the same greedy tokens."""
+    argv = ["generate", *FLOAT32, "--long-chars", "3000"]
+    proc = subprocess.run(
+        [sys.executable, "-c", UNCONFIGURED, *argv], capture_output=True, text=True, env=ENV, timeout=900
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("UNCONFIGURED ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads(lines[0].split(" ", 1)[1])
+    assert result["impls"] == ["CentroidImpl"]
+    assert result["tokens"] == stock["tokens"]
+
+
 @needs_model
 def test_budget_half_compresses_after_prefill(stock):
     """At R = 1/2 the long prompt (n tokens) is merged to B = (n + 32) / 2 entries in every layer once
