@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from centroidkv_vllm.config import CentroidConfig
+
 DEFAULT_MODEL = (
     Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"
 )
@@ -53,9 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-blocks", action="store_true", help="the plugin without its scheduler")
     parser.add_argument("--budget", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--n-sink", type=int, default=16)
-    parser.add_argument("--n-recent", type=int, default=64)
-    parser.add_argument("--compress-interval", type=int, default=64)
+    parser.add_argument("--n-sink", type=int, default=CentroidConfig.n_sink)
+    parser.add_argument("--n-recent", type=int, default=CentroidConfig.n_recent)
+    parser.add_argument("--compress-interval", type=int, default=CentroidConfig.compress_interval)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument(
         "--own-attention", action="store_true", help="every decoding row through the plugin's attention"
@@ -153,8 +155,13 @@ def make_llm(args: argparse.Namespace):
 
 
 def engine_of(args: argparse.Namespace) -> dict:
-    """Which engine a result is from: stock vLLM, or the plugin at its budget."""
-    return {"stock": args.stock, "budget": None if args.stock else args.budget}
+    """Which engine a result is from: stock vLLM, or the plugin at its budget with all of its settings
+    (which `scripts/serve_vs_harness.py` gives the harness's CentroidKV)."""
+    return {
+        "stock": args.stock,
+        "budget": None if args.stock else args.budget,
+        "settings": plugin_settings(args),
+    }
 
 
 def generate(args: argparse.Namespace) -> dict:

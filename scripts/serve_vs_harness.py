@@ -47,16 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("result")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--n-sink", type=int, default=16)
-    parser.add_argument("--n-recent", type=int, default=64)
-    parser.add_argument("--compress-interval", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="also one SERVE_VS_HARNESS line of JSON")
     args = parser.parse_args()
     plugin = read_result(args.result)
     budget = plugin["budget"] or 1.0
     model, _ = load_model(str(MODEL), dtype=getattr(torch, args.dtype))
-    settings = {"n_sink": args.n_sink, "n_recent": args.n_recent, "compress_interval": args.compress_interval}
-    method = CentroidConfig.from_dict(settings).method()  # the plugin's own method for these settings
+    method = CentroidConfig.from_dict(plugin["settings"]).method()  # the plugin's method, as it ran
     runs = [Run(get_method("full"), 1.0), Run(method, budget)]
     compared = []
     for ids, tokens in zip(plugin["prompt_ids"], plugin["tokens"]):

@@ -47,7 +47,7 @@ def test_plugin_tokens_and_entries_equal_the_harness(tmp_path):
     plugin_out.write_text("CENTROIDKV_RESULT " + json.dumps(result) + "\n")
     proc = subprocess.run(
         [str(HARNESS_PYTHON), str(ROOT / "scripts" / "serve_vs_harness.py"), str(plugin_out)]
-        + ["--dtype", "float32", "--compress-interval", str(INTERVAL), "--json"],
+        + ["--dtype", "float32", "--json"],  # the plugin's settings come with its result
         capture_output=True,
         text=True,
         env=ENV,
