@@ -22,6 +22,7 @@ VARIANT_PREFIX = {"CentroidKV": "centroidkv", "K-Means": "kmeans", "SnapKV": "sn
 PUBLISHED = [
     ("docs/results.md", "#### 8k tokens (`make long`", "results/long_study_8k.jsonl.gz"),
     ("docs/results.md", "#### 16k tokens (`make long`", "results/long_study_16k.jsonl.gz"),
+    ("docs/results.md", "#### 32k tokens (`make long`", "results/long_study_32k.jsonl.gz"),
     ("docs/results.md", "### 16k tokens: the pilot", "results/long.jsonl.gz"),
     ("docs/results.md", "### 8k tokens (`experiment=ruler_long`", "results/ruler_long-8k-qwen2.5-0.5b.jsonl.gz"),
     ("docs/results.md", "### 32k tokens (`experiment=ruler_long`", "results/ruler_long-32k-qwen2.5-0.5b.jsonl.gz"),
