@@ -13,7 +13,8 @@ the method and kept by one mechanism (`centroidkv.needs`).
 A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
 policy (`centroidkv.heads`) splits the listed heads off at the layer's first compression, kept whole or
 favoured. In entries, heads kept whole are on top of B (as in the paper); in bytes
-(`centroidkv.byte_plan`) every group is paid for by the compressed heads. `kv_ratio()` relates
+(`centroidkv.byte_plan`: a pure function of the shape the cache describes, `byte_shape`) every
+group is paid for by the compressed heads. `kv_ratio()` relates
 `kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to one of n + Gamma tokens.
 
 Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
@@ -41,7 +42,7 @@ from centroidkv.budget import (
     check_budget,
     check_budget_unit,
 )
-from centroidkv.byte_plan import solve_byte_plan
+from centroidkv.byte_plan import ByteShape, full_entries, solve
 from centroidkv.head_group import HeadGroup, storage_bytes
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
@@ -347,7 +348,33 @@ class CompressedCache(Cache):
             return
         key = (layer.prompt_len, layer.n_seen if self.heads_listed() else 0)
         if self._byte_plan is None or self._byte_plan[0] != key:
-            self._byte_plan = (key, solve_byte_plan(self, layer))
+            self._byte_plan = (key, solve(self.byte_shape(layer)))
+
+    def byte_shape(self, layer: CompressedLayer) -> ByteShape:
+        """What the byte plan depends on when `layer` compresses (`centroidkv.byte_plan.ByteShape`)."""
+        batch, _, _, head_dim = layer.keys.shape
+        method, listed, n_layers = self.method, self.heads_listed(), self.n_layers
+        return ByteShape(
+            batch=batch,
+            n_heads=len(layer.head_lengths()),  # every KV head of a layer
+            head_dim=head_dim,
+            itemsize=layer.dtype.itemsize,
+            n_records=len(self.entry_needs) + (1 if method.merges else 0),  # + the log-degree
+            storage=self.storage,
+            listed=tuple(len(listed.get(index, ())) for index in range(n_layers)),
+            listed_whole=method.heads == "whole",
+            heads_boost=method.heads_boost,
+            windows=tuple(self.sliding_windows.get(index) for index in range(n_layers)),
+            n_seen=layer.n_seen,
+            prompt_len=layer.prompt_len,
+            max_new_tokens=self.max_new_tokens,
+            budget=self.budget,
+            # (the model's query group: a plan solved before the first attention call knows it too)
+            query_group=self.query_group or layer.query_group,
+            window_records=sum(self.window_needs.values()),
+            layer_budget=method.layer_budget,
+            method_name=method.name,
+        )
 
     def take_model_from(self, source: CompressedCache) -> None:
         """What the attention hook tells a cache about its model (`centroidkv.attention`), from `source`."""
@@ -368,8 +395,7 @@ class CompressedCache(Cache):
     def layer_entries(self, layer_idx: int, length: int) -> int:
         """Entries per head a full cache holds in `layer_idx` after `length` tokens: all of them, or the
         last W - 1 in a window layer (transformers' own sliding-window cache)."""
-        window = self.sliding_windows.get(layer_idx)
-        return length if window is None else min(length, window - 1)
+        return full_entries(self.sliding_windows.get(layer_idx), length)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None
