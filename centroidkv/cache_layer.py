@@ -221,7 +221,8 @@ class CompressedLayer(DynamicLayer):
             if group is not self.main and group.needs_compression(plan):
                 self.owner.plan_budget(self)  # in bytes: what the other groups hold now
                 group.compress(self.plan(group.role), self.stats())
-        if self.needs_compression():
+        # `plan` is the main group's: the loop's last, built after any other group compressed
+        if self.main.needs_compression(plan):
             self.compress()
 
     def needs_compression(self) -> bool:
