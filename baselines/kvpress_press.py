@@ -304,8 +304,8 @@ def seeded_rng(state: list[Tensor] | None = None) -> Iterator[list[Tensor]]:
 
 
 class PressTap:
-    """One press's run on a prefill shared with other presses (a `centroidkv.plan.PrefillRun` that
-    shares the prefill, i.e. a `centroidkv.decoding.PrefillTap`).
+    """One press's run on a prefill shared with other presses (a sharing `PrefillRun` of
+    `centroidkv.prefill_compressor`, i.e. a `centroidkv.decoding.PrefillTap`).
 
     After each attention layer it runs the press's own forward hook on that layer's call, with the
     fork as the cache: the press reads the layer's full keys and values and leaves its compressed
@@ -360,9 +360,9 @@ class PressTap:
 
 
 class OwnPrefillPress:
-    """One press's run with a prefill of its own (a `centroidkv.plan.PrefillRun`): kvpress's own way,
-    its context manager around the whole prefill forward. A `PrefillDecodingPress` stays active while
-    the run decodes (its decoding half compresses then). Always decoded alone."""
+    """One press's run with a prefill of its own (a `centroidkv.prefill_compressor.PrefillRun`):
+    kvpress's own way, its context manager around the whole prefill forward. A `PrefillDecodingPress`
+    stays active while the run decodes (its decoding half compresses then). Always decoded alone."""
 
     shares_prefill = False
     decodes_alone = True
@@ -469,8 +469,8 @@ class KVPress(Method):
     def prefill_run(
         self, model, budget: float, context_len: int, max_new_tokens: int, share_prefill: bool
     ) -> PressTap | OwnPrefillPress:
-        """This press's run on one prompt (`centroidkv.plan.PrefillCompressor`): a tap of the shared
-        prefill when it may share it, else a prefill of its own (`OWN_PREFILL`, share_prefill=false)."""
+        """This press's run on one prompt (a `PrefillCompressor`, `centroidkv.prefill_compressor`): a
+        tap of the shared prefill when it may share it, else its own prefill (`OWN_PREFILL`)."""
         press = build_press(self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens))
         if share_prefill and not own_prefill_reason(press):
             return PressTap(press, model)

@@ -3,8 +3,9 @@
 `prefill` runs the prompt with a full cache (recording what query-aware methods need);
 `start_fork` forks it with a (method, budget), compresses and optionally feeds more tokens with
 compression paused (the question, in the context-only protocol); `decode_forks` decodes forks
-greedily, alone or as the rows of one batch; `generate_from` is the two for one fork. Which runs
-share which prefill, and how forks are batched, is decided once per prompt by `centroidkv.plan.run`.
+greedily, alone or as the rows of one batch; `generate_from` is the two for one fork; a prompt's
+token ids come from `centroidkv.chat`. Which runs share which prefill, and how forks are batched, is
+decided once per prompt by `centroidkv.plan.run`.
 What each run measures is declared in `centroidkv.measurements`.
 TTFT = prefill + the fork's compression + the fed tokens; TPOT = mean time of the decode steps
 after the first (the first step is a warm-up and is excluded when there are more).
@@ -214,9 +215,23 @@ def decode_forks(
         return []
     device = forks[0].token.device
     reset_peak_memory(device)  # the peak of decoding (a fork decoded alone reports it), not of the prefill
-    timer = Timer(device)
+    generated, step_times = _decode_steps(model, forks, max_new_tokens, eos_token_ids)
+    alone = len(forks) == 1
+    peak = peak_memory(device) if alone else None
+    for fork, steps in zip(forks, step_times, strict=True):
+        fork.state.step_s, fork.state.timed, fork.state.peak = steps, alone, peak
+    return [_generation(fork, tokens, eos_token_ids) for fork, tokens in zip(forks, generated, strict=True)]
+
+
+def _decode_steps(
+    model: PreTrainedModel, forks: list[Fork], max_new_tokens: int, eos_token_ids: set[int]
+) -> tuple[list[list[Tensor]], list[list[float]]]:
+    """Greedy steps of `forks` in lockstep until every row of every fork has produced an
+    end-of-sequence token, `max_new_tokens` tokens at most: each fork's tokens (its first included)
+    and the time of each step it took part in."""
+    device = forks[0].token.device
+    timer, together = Timer(device), len(forks) > 1
     eos = torch.tensor(sorted(eos_token_ids), device=device, dtype=forks[0].token.dtype)
-    together = len(forks) > 1
     tokens = [fork.token for fork in forks]
     generated = [[token][:max_new_tokens] for token in tokens]  # max_new_tokens=0: no token at all
     step_times: list[list[float]] = [[] for _ in forks]
@@ -240,28 +255,17 @@ def decode_forks(
             tokens[i] = next_tokens[row : row + 1] if together else next_tokens
             generated[i].append(tokens[i])
             step_times[i].append(step.seconds)
-    peak = peak_memory(device) if not together else None
-    return [
-        _generation(fork, generated[i], step_times[i], eos_token_ids, timed=not together, peak=peak)
-        for i, fork in enumerate(forks)
-    ]
+    return generated, step_times
 
 
-def _generation(
-    fork: Fork,
-    generated: list[Tensor],
-    step_times: list[float],
-    eos_token_ids: set[int],
-    timed: bool,
-    peak: tuple[int, str] | None,
-) -> Generation:
+def _generation(fork: Fork, generated: list[Tensor], eos_token_ids: set[int]) -> Generation:
+    """The fork's decoded run: its ids per row, cut after each row's first end-of-sequence token, and
+    every measurement of its end (`fork.state` holds its decode steps by now)."""
     rows = fork.token.shape[0]
     ids = torch.cat(generated, dim=1).tolist() if generated else [[] for _ in range(rows)]
-    if eos_token_ids:  # cut each row after its first end-of-sequence token
+    if eos_token_ids:
         ids = [row[: next((i + 1 for i, t in enumerate(row) if t in eos_token_ids), len(row))] for row in ids]
-    state = fork.state
-    state.step_s, state.timed, state.peak = step_times, timed, peak
-    return Generation(ids, fork.cache.seq_lengths(), {**fork.measured, **measure(DECODED, state)})
+    return Generation(ids, fork.cache.seq_lengths(), {**fork.measured, **measure(DECODED, fork.state)})
 
 
 def generate_from(
@@ -283,42 +287,3 @@ def generate_from(
     """
     fork = start_fork(model, prefilled, method, budget, max_new_tokens, question_ids, budget_unit)
     return decode_forks(model, [fork], max_new_tokens, eos_token_ids)[0]
-
-
-def chat_text(tokenizer, user_message: str, answer_prefix: str = "", use_chat_template: bool = True) -> str:
-    """The prompt as text: the chat template around `user_message` as the user's turn with the
-    assistant's generation prompt (when the tokenizer has one and `use_chat_template`), then
-    `answer_prefix`."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user_message}], add_generation_prompt=True, tokenize=False
-        )
-    else:
-        text = user_message
-    return text + (answer_prefix or "")
-
-
-def chat_prompt_ids(
-    tokenizer,
-    user_message: str,
-    question: str | None = None,
-    context_only: bool = False,
-    answer_prefix: str = "",
-    use_chat_template: bool = True,
-) -> tuple[list[int], list[int]]:
-    """Token ids of a prompt as (the part to prefill, the part fed after compression).
-
-    The chat template (when the tokenizer has one and `use_chat_template`) wraps `user_message` as
-    the user's turn and adds the assistant's generation prompt; `answer_prefix` follows. With
-    `context_only`, the text from the last occurrence of `question` on is the second part (the
-    context-only protocol); otherwise the second part is empty (the full-prompt protocol).
-    """
-    text = chat_text(tokenizer, user_message, answer_prefix, use_chat_template)
-    split = len(text)
-    if context_only and question:
-        found = text.rfind(question)
-        if found > 0:
-            split = found
-    head = tokenizer(text[:split], add_special_tokens=False)["input_ids"]
-    tail = tokenizer(text[split:], add_special_tokens=False)["input_ids"] if split < len(text) else []
-    return head, tail

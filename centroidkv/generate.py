@@ -140,7 +140,7 @@ def _questions_and_protocol(question: str | Sequence[str], protocol: str | None)
 def _refused(named: list[tuple[str, Method]], protocol: str, question: str) -> dict[tuple[int, int], Answer]:
     """The answers of the methods that cannot run `protocol` (keyed (method index, 0)): one that
     compresses inside its prefill cannot compress a whole prompt."""
-    from centroidkv.plan import compresses_in_prefill
+    from centroidkv.prefill_compressor import compresses_in_prefill
 
     if protocol != FULL_PROMPT:
         return {}
@@ -159,7 +159,7 @@ def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Pro
     """The call's prompt: the chat of the context and the first question, split as `protocol`
     prefills and feeds it, and the other questions' turns (`Prompt.follow_ups`), each following the
     same context."""
-    from centroidkv.decoding import chat_prompt_ids
+    from centroidkv.chat import chat_prompt_ids
     from centroidkv.plan import Prompt
 
     def split(question: str, context_only: bool) -> tuple[list[int], list[int]]:

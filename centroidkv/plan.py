@@ -4,10 +4,10 @@
 
 1. which prefill each run starts from. A native method forks one shared prefill of the prompt that
    recorded what every native run needs (`centroidkv.needs`). A method that compresses inside a
-   prefill forward instead (`PrefillCompressor`: a bridge to another library's prefill hooks) hands
-   back a per-run object (`PrefillRun`); with `share_prefill`, that object compresses its own fork
-   of a prefill of the context layer by layer (`centroidkv.decoding.PrefillTap`), else it gets a
-   prefill of its own with its hooks active. One forward serves natives and taps when both prefill
+   prefill forward instead (a `PrefillCompressor` of `centroidkv.prefill_compressor`: a bridge to
+   another library's prefill hooks) hands back a per-run object (`PrefillRun`); with
+   `share_prefill`, that object compresses its own fork of a prefill of the context layer by layer
+   (`centroidkv.decoding.PrefillTap`), else it gets a prefill of its own with its hooks active. One forward serves natives and taps when both prefill
    the same tokens and nothing the natives record changes the attention's arithmetic;
 2. how the forks decode: up to `decode_batch` of them as the rows of one batch (one weight pass per
    step), a run whose decoding hooks change the model (masks on the attention modules) alone;
@@ -25,16 +25,15 @@ cache, as kvpress's pipeline does with `questions=[...]` (one outcome per run an
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from itertools import chain
+from typing import Any
 
 import torch
 from torch import nn
 
-from centroidkv.cache import CompressedCache
 from centroidkv.decoding import (
     Fork,
     Generation,
@@ -48,51 +47,9 @@ from centroidkv.decoding import (
 from centroidkv.measurements import COMPRESSED, RunState, measure
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS
-from centroidkv.run_options import (  # noqa: F401
-    CONTEXT_ONLY,
-    DEFAULT_DECODE_BATCH,
-    FULL_PROMPT,
-    PROTOCOLS,
-    check_decode_batch,
-)
+from centroidkv.prefill_compressor import PrefillRun, compresses_in_prefill
+from centroidkv.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, check_decode_batch
 from centroidkv.timing import Timer
-
-
-class PrefillRun(Protocol):
-    """One run of a `PrefillCompressor` on one prompt; it holds every piece of per-run state.
-
-    `shares_prefill`: it compresses its fork of a shared prefill as a `PrefillTap` (`after_layer`);
-    otherwise `prefill_hooks` are active during a prefill of its own, whose cache they compress.
-    `decoding_hooks` are active while its question is fed and it decodes; `decodes_alone` says they
-    change the model (so the run is never batched with others). `record_fields` are added to its
-    record (e.g. whether it saved memory or only masked)."""
-
-    shares_prefill: bool
-
-    def after_layer(self, module: nn.Module, kwargs: dict, output: Any, cache: CompressedCache) -> None: ...
-
-    def prefill_hooks(self, model: nn.Module) -> AbstractContextManager: ...
-
-    def decoding_hooks(self, model: nn.Module) -> AbstractContextManager: ...
-
-    @property
-    def decodes_alone(self) -> bool: ...
-
-    def record_fields(self) -> dict[str, Any]: ...
-
-
-@runtime_checkable
-class PrefillCompressor(Protocol):
-    """A method that compresses inside a prefill forward rather than forking the shared prefill.
-    `budget` means what it means for every method: R * (context_len + max_new_tokens) entries."""
-
-    def prefill_run(
-        self, model: nn.Module, budget: float, context_len: int, max_new_tokens: int, share_prefill: bool
-    ) -> PrefillRun: ...
-
-
-def compresses_in_prefill(method: Method) -> bool:
-    return isinstance(method, PrefillCompressor)
 
 
 @dataclass(frozen=True)
@@ -173,184 +130,126 @@ def run(
     check_decode_batch(decode_batch)
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
-    eos = default_eos(model) if eos_token_ids is None else eos_token_ids
     if not prompt.context and any(compresses_in_prefill(r.method) for r in runs):
         raise ValueError(
             "a method that compresses inside its prefill needs the prompt's context (Prompt.context)"
         )
+    eos = default_eos(model) if eos_token_ids is None else eos_token_ids
+    shared = _Shared(model, prompt, max_new_tokens, eos, budget_unit)
     in_prefill = {
         i: r.method.prefill_run(model, r.budget, len(prompt.context), max_new_tokens, share_prefill)
         for i, r in enumerate(runs)
         if compresses_in_prefill(r.method)
     }
-    plan = _Plan(model, prompt, runs, max_new_tokens, eos, budget_unit, on_outcome, set(in_prefill))
     natives = [i for i in range(len(runs)) if i not in in_prefill]
     taps = {i: r for i, r in in_prefill.items() if r.shares_prefill}
-    native_prefill, press_prefill = _prefills(plan, natives, taps)
+    native_prefill, tapped_prefill = _prefills(shared, [runs[i].method for i in natives], taps)
+    plan = _Plan(shared, runs, context_only=set(in_prefill))
     for i in natives:
         plan.add_native(i, native_prefill)
-    for i, tap in taps.items():
-        plan.add_tap(i, tap, press_prefill)
-    plan.start_all()
-    for i, prefill_run in in_prefill.items():
-        if i not in taps:
-            plan.run_own(i, prefill_run)
-    plan.decode_all(decode_batch)
+    finished = chain(  # each step yields the outcomes it made final, as soon as they are
+        plan.add_taps(taps, tapped_prefill),
+        plan.start_all(),
+        plan.run_own_prefills({i: r for i, r in in_prefill.items() if i not in taps}),
+        plan.decode_all(decode_batch),
+    )
+    for k in finished:
+        outcome = plan.outcomes[k]
+        if outcome.generation is not None:
+            outcome.answer_ids = answer_ids(outcome.generation.tokens[0], eos)
+        if on_outcome is not None:
+            on_outcome(k, outcome)
     return plan.outcomes
 
 
+def answer_ids(generated: list[int], eos_token_ids: set[int]) -> list[int]:
+    """The generated ids without a final end-of-sequence token: the answer's text."""
+    return generated[:-1] if generated and generated[-1] in eos_token_ids else list(generated)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every run of one `run` call shares."""
+
+    model: nn.Module
+    prompt: Prompt
+    max_new_tokens: int
+    eos: set[int]
+    budget_unit: str | None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def ids(self, tokens: list[int]) -> torch.Tensor | None:
+        """`tokens` as a batch of one on the model's device; None for no token."""
+        return torch.tensor([tokens], device=self.device) if tokens else None
+
+
 def _prefills(
-    plan: _Plan, natives: list[int], taps: dict[int, PrefillRun]
+    shared: _Shared, native_methods: list[Method], taps: dict[int, PrefillRun]
 ) -> tuple[Prefill | None, Prefill | None]:
     """The shared prefill of the native runs and the one the taps compress in: one forward for both
     when they prefill the same tokens and nothing the natives record changes the attention."""
-    model, prompt, max_new_tokens = plan.model, plan.prompt, plan.max_new_tokens
-    native_needs = needs_of(plan.runs[i].method for i in natives)
+    model, prompt, max_new_tokens = shared.model, shared.prompt, shared.max_new_tokens
+    native_needs = needs_of(native_methods)
     one_pass = bool(
-        natives
+        native_methods
         and taps
         and prompt.prefilled == prompt.context
         and not any(RECORDERS[need.name].uses_received for need in native_needs)
     )
-    native_prefill = press_prefill = None
-    if natives:
+    native_prefill = tapped_prefill = None
+    if native_methods:
         native_prefill = prefill(
             model,
-            plan.ids(prompt.prefilled),
+            shared.ids(prompt.prefilled),
             max_new_tokens,
             needs=native_needs,
             taps=taps if one_pass else None,
         )
     if taps:
-        press_prefill = (
+        tapped_prefill = (
             native_prefill
             if one_pass
-            else prefill(model, plan.ids(prompt.context), max_new_tokens, taps=taps)
+            else prefill(model, shared.ids(prompt.context), max_new_tokens, taps=taps)
         )
-    return native_prefill, press_prefill
+    return native_prefill, tapped_prefill
 
 
-class _Plan:
-    """One call of `run`: its outcomes (run i's answer to question q is `i * n_questions + q`), how to
-    start each outcome's fork again (`starters`: its source is never modified, so a failed batch can
-    retry each fork alone), the decoding hooks of the runs that decode alone, and the started forks."""
+@dataclass(frozen=True)
+class _ForkStart:
+    """How one outcome's fork starts, as often as needed (a failed batch starts each of its forks
+    again: the source is never modified): a fork of `source` compressed with (method, budget), then
+    `fed` fed. `compress_s`: a tap's compression, recorded as the fork's own. `hooks`: the run's
+    decoding hooks when they change the model; the fork then starts and decodes alone under them."""
 
-    def __init__(self, model, prompt, runs, max_new_tokens, eos, budget_unit, on_outcome, context_only_runs):
-        self.model, self.prompt, self.runs, self.max_new_tokens = model, prompt, runs, max_new_tokens
-        self.eos, self.budget_unit, self.on_outcome = eos, budget_unit, on_outcome
-        self.device = next(model.parameters()).device
-        self.outcomes = [
-            Outcome(CONTEXT_ONLY if i in context_only_runs else prompt.protocol, question=q)
-            for i in range(len(runs))
-            for q in range(prompt.n_questions)
-        ]
-        self.starters: dict[int, Callable[[], Fork]] = {}
-        self.hooks: dict[int, Callable[[nn.Module], AbstractContextManager]] = {}
-        self.forks: dict[int, Fork] = {}
+    source: Prefill | _CompressedOnce
+    method: Method | str
+    budget: float
+    fed: list[int]
+    compress_s: float | None = None
+    hooks: Callable[[nn.Module], AbstractContextManager] | None = None
 
-    def ids(self, tokens: list[int]) -> torch.Tensor | None:
-        return torch.tensor([tokens], device=self.device) if tokens else None
+    def hooks_on(self, model: nn.Module) -> AbstractContextManager:
+        return self.hooks(model) if self.hooks is not None else nullcontext()
 
-    def keys(self, i: int) -> range:
-        """Run i's outcomes, one per question."""
-        return range(i * self.prompt.n_questions, (i + 1) * self.prompt.n_questions)
-
-    def finish(self, k: int) -> None:
-        outcome = self.outcomes[k]
-        if outcome.generation is not None:
-            outcome.answer_ids = answer_ids(outcome.generation.tokens[0], self.eos)
-        if self.on_outcome is not None:
-            self.on_outcome(k, outcome)
-
-    def add_native(self, i: int, native_prefill: Prefill) -> None:
-        """A native run forks the shared prefill. One question: the fork is compressed and fed in one
-        go. Several: the context is compressed once, and each question forks that compressed cache."""
-        method, budget = self.runs[i].method, self.runs[i].budget
-        source = (
-            native_prefill
-            if self.prompt.n_questions == 1
-            else _CompressedOnce(native_prefill, self.runs[i], self.max_new_tokens, self.budget_unit)
+    def fork(self, shared: _Shared) -> Fork:
+        source, compress_s, measured = self.source, self.compress_s, {}
+        if isinstance(source, _CompressedOnce):  # compressed already, for several questions
+            source, compress_s, measured = source.get()
+        fork = start_fork(
+            shared.model,
+            source,
+            self.method,
+            self.budget,
+            shared.max_new_tokens,
+            shared.ids(self.fed),
+            shared.budget_unit,
+            compress_s=compress_s,
         )
-        for k in self.keys(i):
-            self.outcomes[k].fields = {"prefill_shared": True}
-            fed = self.ids(self.prompt.fed_ids(self.outcomes[k].question))
-            self.starters[k] = partial(
-                _start_native, self.model, source, method, budget, self.max_new_tokens, fed, self.budget_unit
-            )
-
-    def add_tap(self, i: int, tap: PrefillRun, press_prefill: Prefill) -> None:
-        """A tap decodes its fork of the prefill it compressed, uncompressed further ("full")."""
-        tapped = press_prefill.tapped[i]
-        source = Prefill(tapped.cache, press_prefill.first_token, press_prefill.seconds)
-        for k in self.keys(i):
-            self.outcomes[k].fields = {"prefill_shared": True, **tap.record_fields()}
-            if tapped.error is not None:
-                self.outcomes[k].error = tapped.error
-                self.finish(k)
-                continue
-            if tap.decodes_alone:  # its masks live on the attention modules: fed and decoded under them
-                self.hooks[k] = tap.decoding_hooks
-            question = self.ids(self.prompt.question_ids(self.outcomes[k].question))
-            fork_args = (self.model, source, "full", 1.0, self.max_new_tokens, question, self.budget_unit)
-            self.starters[k] = partial(start_fork, *fork_args, compress_s=tapped.seconds)
-
-    def start_all(self) -> None:
-        for k in self.starters:
-            fork = _start(k, self.starters, self.hooks, self.model, self.outcomes)
-            if fork is None:
-                self.finish(k)
-            else:
-                self.forks[k] = fork
-
-    def run_own(self, i: int, prefill_run: PrefillRun) -> None:
-        outcomes = [self.outcomes[k] for k in self.keys(i)]
-        _run_own_prefill(
-            self.model, prefill_run, self.prompt, self.max_new_tokens, self.eos, outcomes, self.ids
-        )
-        for k in self.keys(i):
-            self.finish(k)
-
-    def decode_all(self, decode_batch: int) -> None:
-        """Up to `decode_batch` forks per batch, a hooked one alone; a failed batch retries each of
-        its forks alone from its own source, so one fork's failure stays its own."""
-        batchable = [k for k in self.forks if k not in self.hooks]
-        batches = [batchable[b : b + decode_batch] for b in range(0, len(batchable), decode_batch)]
-        batches += [[k] for k in self.forks if k in self.hooks]
-        for batch in batches:
-            try:
-                self.decode(batch)
-            except Exception as error:
-                _free_memory(self.device)
-                if len(batch) == 1:
-                    self.fail(batch[0], error)
-                else:
-                    for k in batch:
-                        self.retry_alone(k)
-                continue
-            for k in batch:
-                self.finish(k)
-
-    def decode(self, batch: list[int]) -> None:
-        _decode(batch, self.forks, self.hooks, self.model, self.max_new_tokens, self.eos, self.outcomes)
-
-    def fail(self, k: int, error: BaseException) -> None:
-        self.outcomes[k].error = error
-        self.forks.pop(k, None)
-        self.finish(k)
-
-    def retry_alone(self, k: int) -> None:
-        """Outcome k again, alone, from its own (unchanged) source."""
-        self.forks.pop(k, None)
-        fork = _start(k, self.starters, self.hooks, self.model, self.outcomes)
-        if fork is not None:
-            self.forks[k] = fork
-            try:
-                self.decode([k])
-            except Exception as error_alone:
-                _free_memory(self.device)
-                self.outcomes[k].error = error_alone
-                self.forks.pop(k, None)
-        self.finish(k)
+        fork.measured.update(measured)  # a fork holds no decode headroom of its own before its first write
+        return fork
 
 
 class _CompressedOnce:
@@ -359,119 +258,169 @@ class _CompressedOnce:
     as they are (nothing is over the budget), and takes what the compression kept (`COMPRESSED`
     measurements, this compression's time) from the compressed cache itself."""
 
-    def __init__(self, source: Prefill, run: Run, max_new_tokens: int, budget_unit: str | None):
-        self.source, self.run, self.max_new_tokens, self.budget_unit = (
-            source,
-            run,
-            max_new_tokens,
-            budget_unit,
-        )
+    def __init__(self, source: Prefill, run: Run, shared: _Shared):
+        self.source, self.run, self.shared = source, run, shared
         self.compressed: tuple[Prefill, float, dict[str, Any]] | None = None
 
     def get(self) -> tuple[Prefill, float, dict[str, Any]]:
+        """The compressed context, the compression's seconds and its `COMPRESSED` measurements."""
         if self.compressed is None:
-            timer = Timer(self.source.first_token.device)
-            with timer.span() as compressing:
-                cache = self.source.cache.fork(
-                    self.run.method, self.run.budget, self.max_new_tokens, budget_unit=self.budget_unit
-                )
-            state = RunState(cache, prefill_s=self.source.seconds, compress_s=compressing.seconds)
-            compressed = Prefill(cache, self.source.first_token, self.source.seconds)
+            source, method, budget = self.source, self.run.method, self.run.budget
+            unit = self.shared.budget_unit
+            with Timer(source.first_token.device).span() as compressing:
+                cache = source.cache.fork(method, budget, self.shared.max_new_tokens, budget_unit=unit)
+            state = RunState(cache, prefill_s=source.seconds, compress_s=compressing.seconds)
+            compressed = Prefill(cache, source.first_token, source.seconds)
             self.compressed = (compressed, compressing.seconds, measure(COMPRESSED, state))
         return self.compressed
 
 
-def _start_native(
-    model: nn.Module,
-    source: Prefill | _CompressedOnce,
-    method: Method,
-    budget: float,
-    max_new_tokens: int,
-    fed: torch.Tensor | None,
-    budget_unit: str | None,
-) -> Fork:
-    """A native run's fork for one question: from the shared prefill (compressed now) or from the
-    context compressed once for several questions."""
-    if not isinstance(source, _CompressedOnce):
-        return start_fork(model, source, method, budget, max_new_tokens, fed, budget_unit)
-    compressed, compress_s, measured = source.get()
-    fork = start_fork(
-        model, compressed, method, budget, max_new_tokens, fed, budget_unit, compress_s=compress_s
-    )
-    fork.measured.update(measured)  # a fork holds no decode headroom of its own before its first write
-    return fork
+class _Plan:
+    """The outcomes of one `run` call (run i's answer to question q is outcome `i * n_questions + q`),
+    how each outcome's fork starts (`starts`) and the forks started and not decoded yet (`forks`).
+    Each step that can make an outcome final is a generator of the outcomes it made final."""
 
+    def __init__(self, shared: _Shared, runs: Sequence[Run], context_only: set[int]):
+        self.shared, self.runs = shared, runs
+        self.outcomes = [
+            Outcome(CONTEXT_ONLY if i in context_only else shared.prompt.protocol, question=q)
+            for i in range(len(runs))
+            for q in range(shared.prompt.n_questions)
+        ]
+        self.starts: dict[int, _ForkStart] = {}
+        self.forks: dict[int, Fork] = {}
 
-def answer_ids(generated: list[int], eos_token_ids: set[int]) -> list[int]:
-    """The generated ids without a final end-of-sequence token: the answer's text."""
-    return generated[:-1] if generated and generated[-1] in eos_token_ids else list(generated)
+    def keys(self, i: int) -> range:
+        """Run i's outcomes, one per question."""
+        n_questions = self.shared.prompt.n_questions
+        return range(i * n_questions, (i + 1) * n_questions)
 
+    def add_native(self, i: int, native_prefill: Prefill) -> None:
+        """A native run forks the shared prefill. One question: the fork is compressed and fed in one
+        go. Several: the context is compressed once, and each question forks that compressed cache."""
+        run, prompt = self.runs[i], self.shared.prompt
+        once = prompt.n_questions == 1
+        source = native_prefill if once else _CompressedOnce(native_prefill, run, self.shared)
+        for k in self.keys(i):
+            outcome = self.outcomes[k]
+            outcome.fields = {"prefill_shared": True}
+            self.starts[k] = _ForkStart(source, run.method, run.budget, prompt.fed_ids(outcome.question))
 
-def _hooks_of(i: int, hooks: dict, model: nn.Module) -> AbstractContextManager:
-    return hooks[i](model) if i in hooks else nullcontext()
+    def add_taps(self, taps: dict[int, PrefillRun], tapped_prefill: Prefill | None) -> Iterator[int]:
+        """A tap decodes its fork of the prefill it compressed, uncompressed further ("full"); the
+        outcomes of a tap that failed are final."""
+        for i, tap in taps.items():
+            tapped = tapped_prefill.tapped[i]
+            source = Prefill(tapped.cache, tapped_prefill.first_token, tapped_prefill.seconds)
+            for k in self.keys(i):
+                outcome = self.outcomes[k]
+                outcome.fields = {"prefill_shared": True, **tap.record_fields()}
+                if tapped.error is not None:
+                    outcome.error = tapped.error
+                    yield k
+                    continue
+                # its masks live on the attention modules: fed and decoded under them, alone
+                hooks = tap.decoding_hooks if tap.decodes_alone else None
+                question = self.shared.prompt.question_ids(outcome.question)
+                self.starts[k] = _ForkStart(source, "full", 1.0, question, tapped.seconds, hooks)
 
+    def start_all(self) -> Iterator[int]:
+        """Start every fork (compress it, feed its question); the outcome of one that fails is final."""
+        for k in self.starts:
+            if not self.start(k):
+                yield k
 
-def _start(i: int, starters: dict, hooks: dict, model: nn.Module, outcomes: list[Outcome]) -> Fork | None:
-    """Start run `i` (compress its fork, feed its question), or keep its error."""
-    try:
-        with _hooks_of(i, hooks, model):
-            return starters[i]()
-    except Exception as error:
-        _free_memory(next(model.parameters()).device)
-        outcomes[i].error = error
-        return None
+    def start(self, k: int) -> bool:
+        """Start outcome k's fork, or keep its error in the outcome; whether it started."""
+        start = self.starts[k]
+        try:
+            with start.hooks_on(self.shared.model):
+                self.forks[k] = start.fork(self.shared)
+            return True
+        except Exception as error:
+            _free_memory(self.shared.device)
+            self.outcomes[k].error = error
+            return False
 
+    def run_own_prefills(self, own: dict[int, PrefillRun]) -> Iterator[int]:
+        """Each prefill compressor with a prefill of its own: prefill the context under its hooks (the
+        compression is part of that forward, so of prefill_s), then for each question feed it and
+        decode under its decoding hooks, from the cache it compressed (each question a fork of it, no
+        further compression)."""
+        shared = self.shared
+        for i, prefill_run in own.items():
+            for k in self.keys(i):
+                self.outcomes[k].fields = {"prefill_shared": False}
+            try:
+                with prefill_run.prefill_hooks(shared.model):
+                    source = prefill(shared.model, shared.ids(shared.prompt.context), shared.max_new_tokens)
+            except Exception as error:
+                _free_memory(shared.device)
+                for k in self.keys(i):
+                    self.outcomes[k].error = error
+                yield from self.keys(i)
+                continue
+            for k in self.keys(i):
+                self.answer_from_own_prefill(prefill_run, source, self.outcomes[k])
+                yield k
 
-def _decode(
-    batch: list[int],
-    forks: dict[int, Fork],
-    hooks: dict,
-    model: nn.Module,
-    max_new_tokens: int,
-    eos: set[int],
-    outcomes: list[Outcome],
-) -> None:
-    with _hooks_of(batch[0], hooks, model):  # a hooked run is a batch of its own
-        generations = decode_forks(model, [forks[i] for i in batch], max_new_tokens, eos)
-    for i, generation in zip(batch, generations, strict=True):
-        outcomes[i].generation = generation
-        outcomes[i].fields["decode_batch"] = len(batch)
-        del forks[i]  # its cache can go
-
-
-def _run_own_prefill(
-    model: nn.Module,
-    prefill_run: PrefillRun,
-    prompt: Prompt,
-    max_new_tokens: int,
-    eos: set[int],
-    outcomes: list[Outcome],
-    ids: Callable[[list[int]], torch.Tensor | None],
-) -> None:
-    """A prefill compressor with a prefill of its own: prefill the context under its hooks (the
-    compression is part of that forward, so of prefill_s), then for each question (`outcomes`, one
-    per question) feed it and decode under its decoding hooks, from the cache it compressed (each
-    question a fork of it, no further compression)."""
-    for outcome in outcomes:
-        outcome.fields = {"prefill_shared": False}
-    try:
-        with prefill_run.prefill_hooks(model):
-            source = prefill(model, ids(prompt.context), max_new_tokens)
-    except Exception as error:
-        _free_memory(next(model.parameters()).device)
-        for outcome in outcomes:
-            outcome.error = error
-        return
-    for outcome in outcomes:
+    def answer_from_own_prefill(self, prefill_run: PrefillRun, source: Prefill, outcome: Outcome) -> None:
+        """`outcome`'s question fed to a fork of `source` (the cache the run compressed in its own
+        prefill) and decoded alone, under the run's decoding hooks."""
+        model, max_new_tokens = self.shared.model, self.shared.max_new_tokens
         try:
             with prefill_run.decoding_hooks(model):
-                question = ids(prompt.question_ids(outcome.question))
+                question = self.shared.ids(self.shared.prompt.question_ids(outcome.question))
                 fork = start_fork(model, source, "full", 1.0, max_new_tokens, question)
-                outcome.generation = decode_forks(model, [fork], max_new_tokens, eos)[0]
+                outcome.generation = decode_forks(model, [fork], max_new_tokens, self.shared.eos)[0]
             outcome.fields.update({**prefill_run.record_fields(), "decode_batch": 1})
         except Exception as error:
-            _free_memory(next(model.parameters()).device)
+            _free_memory(self.shared.device)
             outcome.error = error
+
+    def decode_all(self, decode_batch: int) -> Iterator[int]:
+        """Up to `decode_batch` forks per batch, in the order they started, a hooked one alone; a
+        failed batch retries each of its forks alone from its own source, so one fork's failure
+        stays its own."""
+        batchable = [k for k in self.forks if self.starts[k].hooks is None]
+        batches = [batchable[b : b + decode_batch] for b in range(0, len(batchable), decode_batch)]
+        batches += [[k] for k in self.forks if self.starts[k].hooks is not None]
+        for batch in batches:
+            failed = self.decode(batch)
+            if failed is not None and len(batch) > 1:
+                yield from self.retry_alone(batch)
+                continue
+            if failed is not None:
+                self.outcomes[batch[0]].error = failed
+                del self.forks[batch[0]]
+            yield from batch
+
+    def retry_alone(self, batch: list[int]) -> Iterator[int]:
+        """Each fork of a failed batch again, alone, from its own (unchanged) source."""
+        for k in batch:
+            del self.forks[k]
+            if self.start(k):
+                failed = self.decode([k])
+                if failed is not None:
+                    self.outcomes[k].error = failed
+                    del self.forks[k]
+            yield k
+
+    def decode(self, batch: list[int]) -> BaseException | None:
+        """Decode the forks of `batch` as one batch into their outcomes; the error if it failed."""
+        model = self.shared.model
+        try:
+            with self.starts[batch[0]].hooks_on(model):  # a hooked run is a batch of its own
+                forks = [self.forks[k] for k in batch]
+                generations = decode_forks(model, forks, self.shared.max_new_tokens, self.shared.eos)
+        except Exception as error:
+            _free_memory(self.shared.device)
+            return error
+        for k, generation in zip(batch, generations, strict=True):
+            self.outcomes[k].generation = generation
+            self.outcomes[k].fields["decode_batch"] = len(batch)
+            del self.forks[k]  # its cache can go
+        return None
 
 
 def _free_memory(device: torch.device) -> None:

@@ -65,7 +65,7 @@ def needle_prompts(tokenizer, n_prompts: int, n_tokens: int) -> tuple[list[Tenso
     evaluated) and, for each, the positions of the tokens that spell its answers in the context."""
     import torch
 
-    from centroidkv.decoding import chat_text
+    from centroidkv.chat import chat_text
     from eval.benchmarks.ruler.tasks import generate_samples
 
     per_task = {  # prompt i is sample i // len(NEEDLE_TASKS) of task i % len(NEEDLE_TASKS)

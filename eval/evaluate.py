@@ -19,19 +19,11 @@ from centroidkv import get_method
 from centroidkv.budget import DEFAULT_BUDGET_UNIT
 from centroidkv.decoding import eos_token_ids
 from centroidkv.errors import first_line
-from centroidkv.plan import (
-    CONTEXT_ONLY,
-    DEFAULT_DECODE_BATCH,
-    FULL_PROMPT,
-    Outcome,
-    Prompt,
-    Run,
-    compresses_in_prefill,
-    run,
-)
+from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
+from centroidkv.prefill_compressor import compresses_in_prefill
 from eval.benchmarks import Benchmark, Sample
 from eval.run_config import MethodSpec, RunConfig
-from eval.samples import encode_prompt, sample_id
+from eval.samples import sample_id, sample_prompt
 
 
 class Evaluator:
@@ -53,6 +45,9 @@ class Evaluator:
         self.decode_batch = decode_batch
         self.specs = specs
         self.methods = {spec: get_method(spec.name, **spec.params) for spec in specs}
+        # the specs whose method compresses inside its prefill: the only runs that read a prompt's
+        # context-only split under the full-prompt protocol
+        self.in_prefill = {spec for spec in specs if compresses_in_prefill(self.methods[spec])}
         self.benchmark = benchmark
         self.vocab = model.config.vocab_size
         self.eos = eos_token_ids(model, tokenizer)
@@ -66,20 +61,13 @@ class Evaluator:
         )
 
     def prompt(self, sample: Sample, specs: list[MethodSpec] | None = None) -> Prompt:
-        """The sample's prompt under the benchmark's protocol and context-only, each sample tokenized
-        once: the context-only split of a full-prompt benchmark is made only when one of `specs`
-        (None: every method of the job) compresses inside its prefill, the only runs that read it
-        (`Prompt.context`, empty otherwise). Tiny test models have a 512-token vocabulary: the embedded
-        tokenizer's ids are folded into it."""
-        head, tail = encode_prompt(sample, self.tokenizer, self.benchmark.context_only)
-        context_only = self.benchmark.context_only  # then the two splits are one
-        needs_split = any(compresses_in_prefill(self.methods[spec]) for spec in specs or self.specs)
-        if context_only:
-            context, question = head, tail
-        else:
-            context, question = encode_prompt(sample, self.tokenizer, True) if needs_split else ([], [])
-        fold = [[t % self.vocab for t in part] for part in (head, tail, context, question)]
-        return Prompt(*fold, protocol=CONTEXT_ONLY if self.benchmark.context_only else FULL_PROMPT)
+        """The sample's prompt under the benchmark's protocol, its text rendered once: the context-only
+        split of a full-prompt benchmark is made only when one of `specs` (None: every method of the
+        job) compresses inside its prefill, the only runs that read it (`Prompt.context`, empty
+        otherwise). Tiny test models have a 512-token vocabulary: the embedded tokenizer's ids are
+        folded into it."""
+        split_context = any(spec in self.in_prefill for spec in specs or self.specs)
+        return sample_prompt(sample, self.tokenizer, self.benchmark.context_only, split_context, self.vocab)
 
     def warm_up(self) -> None:
         """One short untimed run of every method (variants once each), through the sample's own code

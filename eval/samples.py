@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from centroidkv.decoding import chat_prompt_ids
+from centroidkv.chat import chat_text, split_ids
+from centroidkv.plan import CONTEXT_ONLY, FULL_PROMPT, Prompt
 from eval.benchmarks import Sample
 
 
@@ -23,11 +24,31 @@ def encode_prompt(sample: Sample, tokenizer, context_only: bool) -> tuple[list[i
     then the answer prefix follows. With `context_only` the question (and everything after it) is
     the second part, fed uncompressed after the context has been compressed.
     """
-    return chat_prompt_ids(
+    return split_ids(
+        tokenizer, _chat_text(sample, tokenizer), sample.get("question") if context_only else None
+    )
+
+
+def sample_prompt(
+    sample: Sample, tokenizer, context_only: bool, split_context: bool, vocab_size: int
+) -> Prompt:
+    """The sample's prompt as the plan runs it, its text rendered once (as `encode_prompt` renders it):
+    (prefilled, fed) under the benchmark's protocol (`context_only` or the full prompt), and the
+    context-only split (context, question) when the protocol is context-only (then the same) or
+    `split_context` (runs that compress inside their prefill read it; empty otherwise). The ids are
+    folded into `vocab_size` (a tiny test model has 512 tokens, fewer than the tokenizer)."""
+    text = _chat_text(sample, tokenizer)
+    needs_context = context_only or split_context
+    context = split_ids(tokenizer, text, sample.get("question")) if needs_context else ([], [])
+    prefilled, fed = context if context_only else split_ids(tokenizer, text, None)
+    folded = [[t % vocab_size for t in ids] for ids in (prefilled, fed, *context)]
+    return Prompt(*folded, protocol=CONTEXT_ONLY if context_only else FULL_PROMPT)
+
+
+def _chat_text(sample: Sample, tokenizer) -> str:
+    return chat_text(
         tokenizer,
         sample["input"],
-        question=sample.get("question"),
-        context_only=context_only,
-        answer_prefix=sample.get("answer_prefix") or "",
+        sample.get("answer_prefix") or "",
         use_chat_template=bool(sample.get("use_chat_template", True)),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import eval.evaluate as evaluate
+import eval.samples as samples
 from centroidkv import load_model, load_tokenizer
 from centroidkv.plan import Prompt, Run, run
 from eval.benchmarks.toy import Toy
@@ -29,15 +29,22 @@ def test_a_full_prompt_sample_is_tokenized_once_and_a_prefill_compressor_needs_t
     assert not benchmark.context_only  # a full-prompt benchmark: two splits exist
     evaluator = Evaluator(model, tokenizer, tuple(specs), benchmark)
     sample = benchmark.samples(tokenizer)[0]
-    splits = []
-    encode = evaluate.encode_prompt
-    monkeypatch.setattr(
-        evaluate,
-        "encode_prompt",
-        lambda s, tok, context_only: splits.append(context_only) or encode(s, tok, context_only),
-    )
+    texts, splits = [], []
+    chat_text, split_ids = samples.chat_text, samples.split_ids
+
+    def render(*args, **kwargs):
+        texts.append(args)
+        return chat_text(*args, **kwargs)
+
+    def split(tokenizer, text, question):
+        splits.append(question)
+        return split_ids(tokenizer, text, question)
+
+    monkeypatch.setattr(samples, "chat_text", render)
+    monkeypatch.setattr(samples, "split_ids", split)
     records = evaluator.run_sample(sample, specs, 8)
-    assert splits == [False] and [r["status"] for r in records] == ["ok", "ok"]
+    assert len(texts) == 1 and splits == [None]  # rendered once, tokenized whole, no context split
+    assert [r["status"] for r in records] == ["ok", "ok"]
     prompt = evaluator.prompt(sample)
     assert prompt.context == [] and len(prompt.prefilled) > 200
     with pytest.raises(ValueError, match="needs the prompt's context"):

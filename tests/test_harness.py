@@ -237,14 +237,14 @@ def test_failed_sample_is_recorded_and_job_goes_on(tmp_path, monkeypatch):
     import eval.evaluate
     import eval.runner as runner
 
-    real = eval.evaluate.encode_prompt
+    real = eval.evaluate.sample_prompt
 
-    def flaky(sample, tokenizer, context_only):
+    def flaky(sample, *args):
         if sample["index"] == 1:
             raise RuntimeError("bad data in sample 1")
-        return real(sample, tokenizer, context_only)
+        return real(sample, *args)
 
-    monkeypatch.setattr(eval.evaluate, "encode_prompt", flaky)
+    monkeypatch.setattr(eval.evaluate, "sample_prompt", flaky)
     # centroidkv at 0.001 keeps no entry of a ~300-token prompt: fails at compression (a budget short
     # of its 81 protected tokens only shrinks them: tests/test_short_prompts.py).
     cfg, raw = run_cfg(

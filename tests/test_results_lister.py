@@ -141,7 +141,7 @@ def test_the_lister_lists_every_job_of_the_compact_files_before_and_after_make_p
         ["tiny_example", "toy-3methods-0.25+0.5-11e91c"],
     ]
     assert all(line.endswith("compact") for line in lines)
-    assert "full 63.0, centroidkv 70.0@0.125 66.0@0.25 62.0@0.5 65.0@0.75" in lines[0]
+    assert "full 63.0, centroidkv 69.0@0.125 65.0@0.25 62.0@0.5 65.0@0.75" in lines[0]
     assert compact_main(["tables", *map(str, sorted(tmp_path.glob("*.jsonl.gz"))), "--no-figures"]) == 0
     capsys.readouterr()
     assert main([str(tmp_path)]) == 0

@@ -15,7 +15,7 @@ from centroidkv import CompressedCache, get_method
 from centroidkv.budget import fit_protected, protected_entries
 from centroidkv.decoding import generate_from, needs_of, prefill
 from centroidkv.methods import method_class, method_names
-from centroidkv.plan import PrefillCompressor
+from centroidkv.prefill_compressor import PrefillCompressor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
