@@ -421,17 +421,19 @@ class KVPress(Method):
     press: str = "SnapKVPress"
     press_params: dict[str, Any] = field(default_factory=dict)
     # a press compresses in kvpress's own hooks: no head policy, the model's dtype (their one choices)
-    heads: str = param(
-        "none",
-        choices=("none",),
-        reason="presses compress inside kvpress's own hooks, which apply no head policy; "
-        "native methods take heads=whole|budget",
-    )
-    kv_precision: str = param(
-        "model",
-        choices=("model",),
-        reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
-    )
+    wrapper_params = {
+        "heads": param(
+            "none",
+            choices=("none",),
+            reason="presses compress inside kvpress's own hooks, which apply no head policy; "
+            "native methods take heads=whole|budget",
+        ),
+        "kv_precision": param(
+            "model",
+            choices=("model",),
+            reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
+        ),
+    }
 
     @classmethod
     def rules(cls) -> dict[str, dict[str, Any]]:

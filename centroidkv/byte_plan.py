@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from centroidkv.budget import RECORD_BYTES, solve_entries
-from centroidkv.heads import favoured_len
+from centroidkv.head_policy import favoured_len
 from centroidkv.quantization import StorageFormat
 
 ID_BYTES = torch.empty((), dtype=torch.long).element_size()  # one stored head id

@@ -11,7 +11,7 @@ last tokens are never given to the method (shrunk for a prompt too short at the 
 the method and kept by one mechanism (`centroidkv.needs`).
 
 A layer (`CompressedLayer`, `centroidkv.cache_layer`) is a list of head groups
-(`centroidkv.head_group`): one until the head policy (`centroidkv.heads`) splits the listed heads off
+(`centroidkv.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
 at the layer's first compression, kept whole or favoured. Groups store tensors; what each does is
 decided here, as a value: the cache builds a group's `GroupPlan` (`group_plan`, the one place a
 group's role is read; `centroidkv.group_plan`) whenever its layer calls the group, so nothing below
@@ -44,10 +44,11 @@ from centroidkv.byte_plan import ByteShape, full_entries, solve
 from centroidkv.cache_layer import CompressedLayer
 from centroidkv.group_plan import GroupPlan
 from centroidkv.head_group import storage_bytes
-from centroidkv.heads import favoured_len
+from centroidkv.head_policy import HeadPolicy, favoured_len
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
 from centroidkv.quantization import StorageFormat
+from centroidkv.storage_precision import StoragePrecision
 
 __all__ = ["CompressedCache", "CompressedLayer", "causal_allowed"]
 
@@ -65,7 +66,8 @@ class CompressedCache(Cache):
     """A transformers `Cache` whose layers shrink to a budget with a compression `Method`.
 
     Args:
-      method: a `Method` instance or a registered name (then built with its defaults).
+      method: a method (`get_method`'s, inside its wrappers; a bare `Method` runs as at its wrappers'
+        defaults) or a registered name (then built with its defaults).
       budget: R, the fraction of (prompt + max_new_tokens) tokens each layer may keep, in (0, 1].
       max_new_tokens: Gamma, the generation length the budget accounts for.
       needs: records to keep besides the method's own (`centroidkv.needs`), so that `fork` can serve
@@ -107,7 +109,8 @@ class CompressedCache(Cache):
         self.compression_enabled = True
         self.in_place = in_place
         self.budget_unit = budget_unit
-        self.storage: StorageFormat = method.storage  # how keys and values are stored (quantization)
+        self.head_policy = HeadPolicy.of(method)  # which heads are listed, and what they keep
+        self.storage: StorageFormat = StoragePrecision.of(method).storage  # how entries are stored
         self._byte_plan: tuple[tuple[int, int], list[int]] | None = None  # (key, entries per layer)
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = tuple(name for name in recorded if not RECORDERS[name].window)
@@ -118,7 +121,7 @@ class CompressedCache(Cache):
         """The KV heads per layer that the method's head policy lists, asked once (needs the model:
         `prepare_model`); a window layer's heads are never listed (it is never compressed)."""
         if self._listed is None:
-            listed = self.method.listed_heads(self.model_ref())
+            listed = self.head_policy.listed_heads(self.model_ref())
             self._listed = {
                 layer: heads for layer, heads in listed.items() if layer not in self.sliding_windows
             }
@@ -127,7 +130,7 @@ class CompressedCache(Cache):
     @property
     def listed_role(self) -> str:
         """The role of the heads the head policy lists: "whole" (heads=whole) or "favoured" (budget)."""
-        return "whole" if self.method.heads == "whole" else "favoured"
+        return "whole" if self.head_policy.listed_whole else "favoured"
 
     # --- the plans (centroidkv.group_plan) -------------------------------------------------------
     def group_plan(self, layer: CompressedLayer, role: str, with_budget: bool = True) -> GroupPlan:
@@ -173,7 +176,7 @@ class CompressedCache(Cache):
             return layer.window - 1
         budget = self.layer_budget_len(layer)
         if role == "favoured":
-            return favoured_len(budget, self.method.heads_boost, layer.prompt_len + self.max_new_tokens)
+            return favoured_len(budget, self.head_policy.heads_boost, layer.prompt_len + self.max_new_tokens)
         return budget
 
     # --- the budget (module docstring; centroidkv.budget) -------------------------------------------
@@ -211,8 +214,8 @@ class CompressedCache(Cache):
             n_records=len(self.entry_needs) + (1 if method.merges else 0),  # + the log-degree
             storage=self.storage,
             listed=tuple(len(listed.get(index, ())) for index in range(n_layers)),
-            listed_whole=method.heads == "whole",
-            heads_boost=method.heads_boost,
+            listed_whole=self.head_policy.listed_whole,
+            heads_boost=self.head_policy.heads_boost,
             windows=tuple(self.sliding_windows.get(index) for index in range(n_layers)),
             n_seen=layer.n_seen,
             prompt_len=layer.prompt_len,

@@ -1,7 +1,7 @@
 """One layer of a compressed cache: its head groups, and when they store, record and compress.
 
 A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
-policy (`centroidkv.heads`) splits the listed heads off at the layer's first compression. It is what
+policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression. It is what
 transformers and the attention function talk to: it routes each group its heads' new tokens and
 queries, decides when a group is over its budget, and splits the heads. What each group should do
 (its budget, storage format, records) is its cache's decision: the layer asks its cache for a

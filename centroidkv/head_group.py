@@ -1,6 +1,6 @@
 """One group of a layer's KV heads and everything the cache stores for it.
 
-A method's head policy (`centroidkv.heads`) splits a layer's KV heads into groups at its first
+A method's head policy (`centroidkv.head_policy`) splits a layer's KV heads into groups at its first
 compression; until then, and under `heads=none`, one group holds every head. A group's `role`
 ("compressed", "whole", "favoured", "window") is a label: its cache turns it into a `GroupPlan`
 (`centroidkv.group_plan`: the budget, the storage format, the records to keep) and its layer hands

@@ -103,6 +103,24 @@ def field_rule(cls: type, field: dataclasses.Field) -> dict[str, Any]:
     return {"default": default, "type": type_of(default), **rule}
 
 
+def rule_set_apart(rule: dict[str, Any], declared: list[Any]) -> dict[str, Any]:
+    """A parameter's `rule` (as `field_rule` gives it) for a class that sets it apart without a field
+    of its own (a method's `wrapper_params`, `centroidkv.wrapper`): `declared` holds the entries of the
+    class and its bases for it, the nearest first. As for a redefined field, the nearest entry gives
+    the default (a plain value, or a `param`'s), the nearest `param` the rule; none: the rule stays."""
+    if not declared:
+        return rule
+    nearest = declared[0]
+    default = field_default(nearest) if isinstance(nearest, dataclasses.Field) else nearest
+    ruled = [d for d in declared if isinstance(d, dataclasses.Field) and RULE_KEY in d.metadata]
+    kept = (
+        dict(ruled[0].metadata[RULE_KEY])
+        if ruled
+        else {k: v for k, v in rule.items() if k not in ("default", "type")}
+    )
+    return {"default": default, "type": type_of(default), **kept}
+
+
 def field_rules(cls: type) -> dict[str, dict[str, Any]]:
     """Every parameter (init field) of a dataclass with its rule (`field_rule`), in field order."""
     return {f.name: field_rule(cls, f) for f in dataclasses.fields(cls) if f.init}

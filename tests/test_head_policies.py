@@ -1,4 +1,4 @@
-"""Head policies for every native method (`centroidkv.heads`): heads=whole and heads=budget through a
+"""Head policies for every native method (`centroidkv.head_policy`): heads=whole and heads=budget through a
 prefill, re-compressions and batched forks, at the budget's bytes; DuoAttention's streaming heads."""
 
 import json
@@ -186,7 +186,7 @@ def test_a_layer_whose_every_head_is_listed_still_decodes(tiny_model, tmp_path, 
         )
     )
     method = build(name, policy, str(path))
-    method = method.__class__(**{**method.params(), "heads_fraction": 0.5})
+    method = get_method(name, **{**method.params(), "heads_fraction": 0.5})
     with torch.inference_mode():
         prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=needs_of([method]))
         fork = start_fork(tiny_model, prefilled, method, 0.75, NEW_TOKENS)  # half the heads whole
