@@ -46,7 +46,7 @@ import re
 import types
 import typing
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -420,8 +420,7 @@ class KVPress(Method):
 
     press: str = "SnapKVPress"
     press_params: dict[str, Any] = field(default_factory=dict)
-    # a press compresses in kvpress's own hooks: no head policy, the model's dtype (their one choices)
-    wrapper_params = {
+    wrapper_params = {  # no head policy, the model's dtype: a press compresses in kvpress's own hooks
         "heads": param(
             "none",
             choices=("none",),
@@ -440,10 +439,8 @@ class KVPress(Method):
         """The fields' rules, and the press names kvpress exports as `press`'s choices (recorded in the
         configuration's schema, so a mistyped press is one line before torch loads)."""
         rules = super().rules()
-        try:
+        with suppress(ValueError):  # kvpress is not installed: building the press says so (EXTRA)
             rules["press"] = {**rules["press"], "choices": press_names()}
-        except ValueError:  # kvpress is not installed: building the press says so (EXTRA)
-            pass
         return rules
 
     def validate(self) -> None:
