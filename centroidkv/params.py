@@ -1,7 +1,8 @@
 """A method parameter's rule, declared once on its dataclass field and checked without torch.
 
 A method (`centroidkv.methods.Method`) declares the simple rule of each parameter where the field is
-defined: `n_recent: int = param(64, minimum=0)`, `heads: str = param("none", choices=HEAD_POLICIES)`.
+defined: `n_recent: int = param(64, minimum=0)`, `schedule: str = param("adaptive", choices=SCHEDULES)`;
+so does a wrapper of every method (`centroidkv.wrapper`: `heads: str = param("none", choices=...)`).
 `Method.validate` checks every field by its rule (`param_errors`), and the configuration's schema
 (`centroidkv.schema`) records the rules, so a configuration or a command line is checked before the
 method modules (and torch) are imported. A rule may also bound a number by another parameter of the
