@@ -209,5 +209,7 @@ class HeadPolicy(MethodWrapper):
             return {}
         from centroidkv.calibrate import listed_heads_for
 
-        settings = self.method.params() if innermost(self).compares_calibration else None
+        settings = None
+        if innermost(self).compares_calibration:  # the run's parameters but the policy's
+            settings = {k: v for k, v in self.method.params().items() if k not in self.parameter_names()}
         return listed_heads_for(model, self.heads_file, self.heads_fraction, settings)

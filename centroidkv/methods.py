@@ -174,9 +174,10 @@ class Method:
         raise NotImplementedError
 
     def params(self) -> dict:
-        """The method's own parameters (its fields); a wrapped method's (`get_method`) come with its
-        wrappers' as runs record them (`centroidkv.wrapper`)."""
-        return dataclasses.asdict(self)
+        """The parameters as runs record them: its fields, and its wrappers' (`centroidkv.wrapper`) at
+        their defaults for this class, as a method built without them runs (`HeadPolicy.of`); a wrapped
+        method (`get_method`'s) records its wrappers' own values instead."""
+        return wrapped_defaults(type(self), dataclasses.asdict(self))
 
     @classmethod
     def default_params(cls) -> dict:

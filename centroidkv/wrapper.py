@@ -118,8 +118,11 @@ class MethodWrapper:
         return {name: getattr(self, name) for name in self.parameter_names()}
 
     def params(self) -> dict[str, Any]:
-        """The wrapped method's parameters with this wrapper's recorded ones (module docstring)."""
-        return joined(self.method.params(), self.recorded(self.wrapper_values()), type(innermost(self)))
+        """The wrapped method's parameters with this wrapper's own as it records them (module docstring)."""
+        inner = {
+            name: value for name, value in self.method.params().items() if name not in self.parameter_names()
+        }
+        return record_order(inner | self.recorded(self.wrapper_values()), type(innermost(self)))
 
     def validate(self) -> None:
         """Every parameter by its rule for the wrapped method's class (`rules_for`); a subclass extends
@@ -160,30 +163,31 @@ def shared_params(method_class: type) -> list[str]:
     return [f.name for f in dataclasses.fields(root)]
 
 
-def joined(params: dict[str, Any], added: dict[str, Any], method_class: type) -> dict[str, Any]:
-    """A method's `params` (or rules) with a wrapper's `added` after the shared ones (module docstring:
-    the wrapper wrapped last comes first)."""
-    shared = shared_params(method_class)
-    first = {name: value for name, value in params.items() if name in shared}
-    return first | added | {name: value for name, value in params.items() if name not in shared}
+def record_order(params: dict[str, Any], method_class: type) -> dict[str, Any]:
+    """A method's `params` (or rules) in the order runs record them (module docstring): the shared
+    ones, each wrapper's (outermost first), then the method's own."""
+    first = [*shared_params(method_class), *(n for w in reversed(WRAPPERS) for n in w.parameter_names())]
+    ordered = {name: params[name] for name in first if name in params}
+    return ordered | {name: value for name, value in params.items() if name not in first}
 
 
 def wrapped_rules(method_class: type, own: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every parameter's rule of a method of `method_class` as `get_method` builds it: its own (`own`,
     its fields') and its wrappers'."""
+    rules = dict(own)
     for wrapper in WRAPPERS:
-        own = joined(own, wrapper.rules_for(method_class), method_class)
-    return own
+        rules |= wrapper.rules_for(method_class)
+    return record_order(rules, method_class)
 
 
 def wrapped_defaults(method_class: type, own: dict[str, Any]) -> dict[str, Any]:
-    """What a method of `method_class` built with its defaults records: its own (`own`) and its
-    wrappers' defaults as they record them."""
+    """What a method of `method_class` records with its own parameters `own` and its wrappers at their
+    defaults for it (as they record them): a bare method's `params()`, and `default_params()`."""
+    values = dict(own)
     for wrapper in WRAPPERS:
         rules = wrapper.rules_for(method_class)
-        defaults = {name: copy.deepcopy(rule["default"]) for name, rule in rules.items()}
-        own = joined(own, wrapper.recorded(defaults), method_class)
-    return own
+        values |= wrapper.recorded({name: copy.deepcopy(rule["default"]) for name, rule in rules.items()})
+    return record_order(values, method_class)
 
 
 def label_suffix(params: dict[str, Any]) -> str:

@@ -223,8 +223,9 @@ def test_records_labels_and_variants_are_those_of_the_fields(built, params, labe
     recorded = get_method(name, **given).params()
     assert list(recorded.items()) == list(params.items())  # the values and their order in a record
     assert method_label(name, recorded) == label and method_variant(name, recorded) == variant
-    if not given:
+    if not given:  # built with its defaults, or without get_method: as it runs (at the wrappers' defaults)
         assert method_class(name).default_params() == params
+        assert list(method_class(name)().params().items()) == list(params.items())
 
 
 @pytest.mark.parametrize(("built", "line"), REFUSED)
