@@ -39,10 +39,12 @@ class DuoAttention(StreamingLLM):
     name = "duo_attention"
     label = "DuoAttention"
 
-    # its retrieval heads keep the full cache: the one policy of HEAD_POLICIES it takes
-    heads: str = param(
-        "whole",
-        choices=("whole",),
-        reason="the retrieval heads keep the full cache; other policies: streaming_llm",
-    )
-    heads_file: str = "streaming"
+    # its retrieval heads keep the full cache: the one head policy it takes (`centroidkv.head_policy`)
+    wrapper_params = {
+        "heads": param(
+            "whole",
+            choices=("whole",),
+            reason="the retrieval heads keep the full cache; other policies: streaming_llm",
+        ),
+        "heads_file": "streaming",
+    }

@@ -6,7 +6,8 @@ no merging); the entries are stored as asymmetric min-max integer codes, keys gr
 `kv_group` consecutive tokens (key outliers sit in fixed channels), values per token over groups of
 `kv_group` channels, and the newest `kv_residual` tokens stay in full precision until a whole group
 can be quantized. The codes, scales and zeros are implemented by `centroidkv.quantization`, which any
-method can use through its `kv_precision` parameter; this method is the full cache with KIVI's settings.
+method takes through the storage precision that wraps it (`kv_precision`, `centroidkv.storage_precision`);
+this method is the full cache with KIVI's settings (`wrapper_params`).
 
 Parameters (KIVI's main settings): kv_precision "int2" (default, KIVI-2) or "int4" (KIVI-4), kv_group
 32, kv_residual 128. Differences: scales and zeros are float16 in both (as KIVI); our residual always
@@ -30,11 +31,14 @@ class Kivi(Method):
     label = "KIVI"
     compresses = False
 
-    kv_precision: str = param(
-        "int2",
-        choices=KIVI_PRECISIONS,
-        reason="KIVI-2, KIVI-4; other precisions: method full with kv_precision",
-    )
+    # KIVI's two storage precisions (`centroidkv.storage_precision`), KIVI-2 by default
+    wrapper_params = {
+        "kv_precision": param(
+            "int2",
+            choices=KIVI_PRECISIONS,
+            reason="KIVI-2, KIVI-4; other precisions: method full with kv_precision",
+        )
+    }
 
     def compress(self, kv: LayerKV, target_len: int, stats: LayerStats) -> LayerKV:
         return kv

@@ -46,7 +46,7 @@ import re
 import types
 import typing
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -420,28 +420,27 @@ class KVPress(Method):
 
     press: str = "SnapKVPress"
     press_params: dict[str, Any] = field(default_factory=dict)
-    # a press compresses in kvpress's own hooks: no head policy, the model's dtype (their one choices)
-    heads: str = param(
-        "none",
-        choices=("none",),
-        reason="presses compress inside kvpress's own hooks, which apply no head policy; "
-        "native methods take heads=whole|budget",
-    )
-    kv_precision: str = param(
-        "model",
-        choices=("model",),
-        reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
-    )
+    wrapper_params = {  # no head policy, the model's dtype: a press compresses in kvpress's own hooks
+        "heads": param(
+            "none",
+            choices=("none",),
+            reason="presses compress inside kvpress's own hooks, which apply no head policy; "
+            "native methods take heads=whole|budget",
+        ),
+        "kv_precision": param(
+            "model",
+            choices=("model",),
+            reason="kv_precision needs the harness's own cache; a press stores the model's dtype",
+        ),
+    }
 
     @classmethod
     def rules(cls) -> dict[str, dict[str, Any]]:
         """The fields' rules, and the press names kvpress exports as `press`'s choices (recorded in the
         configuration's schema, so a mistyped press is one line before torch loads)."""
         rules = super().rules()
-        try:
+        with suppress(ValueError):  # kvpress is not installed: building the press says so (EXTRA)
             rules["press"] = {**rules["press"], "choices": press_names()}
-        except ValueError:  # kvpress is not installed: building the press says so (EXTRA)
-            pass
         return rules
 
     def validate(self) -> None:

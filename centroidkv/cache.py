@@ -10,11 +10,16 @@ last tokens are never given to the method (shrunk for a prompt too short at the 
 `fit_protected`; `protected_used()` says what was kept). What a method needs recorded is declared by
 the method and kept by one mechanism (`centroidkv.needs`).
 
-A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
-policy (`centroidkv.heads`) splits the listed heads off at the layer's first compression, kept whole or
-favoured. In entries, heads kept whole are on top of B (as in the paper); in bytes
-(`centroidkv.byte_plan`) every group is paid for by the compressed heads. `kv_ratio()` relates
-`kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to one of n + Gamma tokens.
+A layer (`CompressedLayer`, `centroidkv.cache_layer`) is a list of head groups
+(`centroidkv.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
+at the layer's first compression, kept whole or favoured. Groups store tensors; what each does is
+decided here, as a value: the cache builds a group's `GroupPlan` (`group_plan`, the one place a
+group's role is read; `centroidkv.group_plan`) whenever its layer calls the group, so nothing below
+the cache refers back up to it but the layer's weak reference. In entries, heads kept whole are on top
+of B (as in the paper); in bytes every group is paid for by the compressed heads: once per compression
+the cache describes its shape (`byte_shape`) and the pure `centroidkv.byte_plan.solve` turns it into B
+per layer. `kv_ratio()` relates `kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to
+one of n + Gamma tokens.
 
 Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
 buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
@@ -27,230 +32,28 @@ position ids from it, and new tokens must keep their original positions), while 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
-from centroidkv.budget import (
-    DEFAULT_BUDGET_UNIT,
-    budget_entries,
-    check_budget,
-    check_budget_unit,
-)
-from centroidkv.byte_plan import solve_byte_plan
-from centroidkv.head_group import HeadGroup, storage_bytes
+from centroidkv.budget import DEFAULT_BUDGET_UNIT, budget_entries, check_budget, check_budget_unit
+from centroidkv.byte_plan import ByteShape, full_entries, solve
+from centroidkv.cache_layer import CompressedLayer
+from centroidkv.group_plan import GroupPlan
+from centroidkv.head_group import storage_bytes
+from centroidkv.head_policy import HeadPolicy, favoured_len
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
 from centroidkv.quantization import StorageFormat
+from centroidkv.storage_precision import StoragePrecision
 
+__all__ = ["CompressedCache", "CompressedLayer", "causal_allowed"]
 
-class CompressedLayer(DynamicLayer):
-    """One layer of the cache: a list of head groups (`centroidkv.head_group`), the first of which
-    (`main`) holds the heads compressed to B; the others, once the method's head policy splits the
-    layer, hold the listed heads (kept whole, or favoured with a larger budget)."""
-
-    compresses = True  # False for a hybrid model's window layers (`centroidkv.window_layer`)
-    main_role = "compressed"
-
-    def __init__(self, owner: CompressedCache, layer_idx: int):
-        self.groups = [HeadGroup(self, self.main_role)]
-        super().__init__()
-        # A weak reference: a strong one would make cache <-> layer a reference cycle, and every
-        # dropped cache (one per fork) would hold its tensors until Python's cycle collector runs.
-        self._owner = weakref.ref(owner)
-        self.layer_idx = layer_idx
-        self.scaling: float = 1.0
-        self.query_group = 1  # query heads per KV head (set by the first attention call)
-        self.n_seen = 0  # tokens this layer has seen (positions), not what it stores
-        self.prompt_len: int | None = None  # length of the first update (the prefill)
-
-    @property
-    def owner(self) -> CompressedCache:
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError("this cache layer outlived its CompressedCache")
-        return owner
-
-    # What transformers' layer interface and the methods read: the main group's entries.
-    main = property(lambda self: self.groups[0], doc="The group compressed to B (every head before a split).")
-    keys = property(lambda self: self.main.keys, lambda self, value: setattr(self.main, "keys", value))
-    values = property(lambda self: self.main.values, lambda self, value: setattr(self.main, "values", value))
-    log_degree = property(lambda self: self.main.log_degree)
-    extras = property(lambda self: self.main.extras)
-    windows = property(lambda self: self.main.windows)
-    packed = property(lambda self: self.main.packed)
-    length = property(lambda self: self.main.length, doc="Entries per compressed head.")
-    budget_len = property(lambda self: self.main.budget_len, doc="B for this layer, once the prompt is in.")
-    tracks_attention = property(lambda self: self.main.tracks_attention)
-    n_compressions = property(lambda self: self.main.n_compressions)
-    protected_used = property(lambda self: self.main.protected_used)
-    attention_sum = property(lambda self: self.main.extras.get("attention_sum"), doc="[B, H, T] or None.")
-    queries = property(lambda self: self.main.windows.get("queries"), doc="The last queries, or None.")
-    split = property(lambda self: self.main.heads is not None, doc="Whether the head policy split the heads.")
-
-    def group(self, role: str) -> HeadGroup | None:
-        """The group of `role` ("whole", "favoured"), None when the layer has none."""
-        return next((group for group in self.groups if group.role == role), None)
-
-    def read(self, slot: str) -> Tensor:
-        return self.main.read(slot)
-
-    def degrees_or_zeros(self) -> Tensor:
-        return self.main.degrees_or_zeros()
-
-    def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
-        """Store the new tokens; return the compressed heads' keys and values for the attention
-        (dequantized when the storage is not the model's dtype)."""
-        self.add(key_states, value_states)
-        return self.read("keys"), self.read("values")
-
-    def add(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Store the new tokens' keys and values [B, H, q, D] (and their records), each group its heads."""
-        if self.owner.n_layers is None:
-            raise RuntimeError(
-                "CompressedCache needs a model prepared by centroidkv: load it with centroidkv.load_model, "
-                "or call centroidkv.prepare_model(model) once after loading it yourself (its attention adds "
-                "log-degrees and triggers compression)"
-            )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        for group in reversed(self.groups):  # the listed heads' groups first, as they were split off
-            if group.heads is None:
-                group.add(key_states, value_states, self.n_seen)
-            else:
-                group.add(key_states[:, group.heads], value_states[:, group.heads], self.n_seen)
-        self.n_seen += key_states.shape[2]
-        if self.prompt_len is None:
-            self.prompt_len = key_states.shape[2]
-            self.check_planned_room()
-
-    def settle(self) -> None:
-        """Bring every group to the cache's storage format (`HeadGroup.settle`)."""
-        for group in self.groups:
-            group.settle()
-
-    def check_planned_room(self) -> None:
-        """Raise now (one line) when the generation this cache was planned for (the prompt plus
-        `max_new_tokens`) will need a compression whose budget holds no entry at all,
-        instead of failing at that compression, possibly many tokens later."""
-        method = self.owner.method
-        if not method.compresses or not self.owner.compression_enabled:
-            return
-        budget, planned = self.budget_len, self.prompt_len + max(0, self.owner.max_new_tokens - 1)
-        if self.prompt_len > budget or planned > budget + method.compress_interval - 1:
-            self.check_protected_fit()
-
-    def check_protected_fit(self) -> None:
-        """Raise (one line) when this layer's budget holds no entry at all; a budget below the protected
-        windows shrinks them instead (`HeadGroup.protected_windows`)."""
-        self.main.protected_windows()
-
-    def capacity_bytes(self) -> int:
-        """Bytes allocated behind this layer's stored tensors (`centroidkv.head_group.storage_bytes`)."""
-        return storage_bytes([tensor for group in self.groups for tensor in group.held_tensors()])
-
-    def stored_tensors(self) -> list[Tensor]:
-        """Everything this layer stores for its method, over its groups: entries, degrees, records,
-        window records (e.g. SnapKV's query window) and the ids of the heads of each group."""
-        return [tensor for group in self.groups for tensor in group.stored_tensors()]
-
-    def head_lengths(self) -> list[int]:
-        """Entries per KV head, in head order."""
-        if not self.split:
-            return [self.length] * self.main.n_heads
-        lengths = [0] * sum(len(group.heads) for group in self.groups)
-        for group in self.groups:
-            for head in group.heads.tolist():
-                lengths[head] = group.length
-        return lengths
-
-    def get_seq_length(self) -> int:
-        return self.n_seen
-
-    def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        return self.length + cache_position.shape[0], 0
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a compressed cache cannot be cropped (positions no longer map to entries)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def _map_batch(self, fn) -> None:
-        for group in self.groups:
-            group.map_batch(fn)
-
-    # --- attention and compression ---------------------------------------------------------------
-    def after_attention(
-        self,
-        queries: list[Tensor] | Tensor,
-        scaling: float,
-        received: list[Tensor | None] | Tensor | None = None,
-    ) -> None:
-        """Called by the attention function once this layer's attention output is computed, with each
-        group's queries [B, H_q, q, D] and the attention each of its entries received ([B, H_g, T],
-        computed alongside the output when the group tracks attention); one tensor each for a layer
-        that is not split. The listed heads' groups record (and compress) first, then the main one."""
-        if not isinstance(queries, list):
-            queries, received = [queries], [received]
-        self.scaling = scaling
-        if not self.split and self.main.n_heads:
-            self.query_group = queries[0].shape[1] // self.main.n_heads
-        for group, query, got in reversed(list(zip(self.groups, queries, received, strict=True))):
-            group.record(query, got)
-            if group is not self.main and group.needs_compression():
-                group.compress()
-        if self.needs_compression():
-            self.compress()
-
-    def needs_compression(self) -> bool:
-        return self.main.needs_compression()
-
-    def compress(self) -> None:
-        """Shrink the layer to its budget; at its first compression, split the heads its method's head
-        policy lists into their own group (then compressed to its own budget, or kept whole)."""
-        self.owner.plan_budget(self)  # in bytes: what the heads kept whole hold now
-        listed = self.owner.heads_listed().get(self.layer_idx)
-        if listed and not self.split:
-            self.split_heads(listed, self.owner.method.heads)
-            favoured = self.group("favoured")
-            if favoured is not None and favoured.length > favoured.budget_len:
-                favoured.compress()
-        self.main.compress()
-
-    def split_heads(self, listed: list[int], policy: str) -> None:
-        """Move the KV heads `listed` into a group of their own: kept whole from now on (policy
-        "whole") or compressed to heads_boost x B ("budget")."""
-        main, n_heads = self.main, self.main.n_heads
-        if any(not 0 <= head < n_heads for head in listed):
-            raise ValueError(f"layer {self.layer_idx}: listed heads {listed} outside 0..{n_heads - 1}")
-        device = self.keys.device
-        other = torch.tensor(sorted(listed), dtype=torch.long, device=device)
-        rest = torch.tensor([h for h in range(n_heads) if h not in listed], dtype=torch.long, device=device)
-        role = "whole" if policy == "whole" else "favoured"
-        self.groups = [
-            main.select(self, "compressed", rest, n_heads),
-            main.select(self, role, other, n_heads),
-        ]
-
-    def fork(self, owner: CompressedCache) -> CompressedLayer:
-        """A layer for another cache that shares this one's tensors (never modified in place), with
-        only the records `owner` asks for."""
-        twin = owner.new_layer(self.layer_idx)
-        for attr in ("scaling", "query_group", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
-            setattr(twin, attr, getattr(self, attr))
-        twin.groups = [group.fork(twin, self.split) for group in self.groups]
-        return twin
+# A head group's role: which plan its cache builds for it (`CompressedCache.group_plan`).
+ROLES = ("compressed", "whole", "favoured", "window")
 
 
 def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> Tensor:
@@ -263,7 +66,8 @@ class CompressedCache(Cache):
     """A transformers `Cache` whose layers shrink to a budget with a compression `Method`.
 
     Args:
-      method: a `Method` instance or a registered name (then built with its defaults).
+      method: a method (`get_method`'s, inside its wrappers; a bare `Method` runs as at its wrappers'
+        defaults) or a registered name (then built with its defaults).
       budget: R, the fraction of (prompt + max_new_tokens) tokens each layer may keep, in (0, 1].
       max_new_tokens: Gamma, the generation length the budget accounts for.
       needs: records to keep besides the method's own (`centroidkv.needs`), so that `fork` can serve
@@ -305,10 +109,11 @@ class CompressedCache(Cache):
         self.compression_enabled = True
         self.in_place = in_place
         self.budget_unit = budget_unit
-        self.storage: StorageFormat = method.storage  # how keys and values are stored (quantization)
+        self.head_policy = HeadPolicy.of(method)  # which heads are listed, and what they keep
+        self.storage: StorageFormat = StoragePrecision.of(method).storage  # how entries are stored
         self._byte_plan: tuple[tuple[int, int], list[int]] | None = None  # (key, entries per layer)
         recorded = gather_needs([*method.needs(), *needs])
-        self.entry_needs = [name for name in recorded if not RECORDERS[name].window]
+        self.entry_needs = tuple(name for name in recorded if not RECORDERS[name].window)
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
         self._listed: dict[int, list[int]] | None = None
 
@@ -316,15 +121,63 @@ class CompressedCache(Cache):
         """The KV heads per layer that the method's head policy lists, asked once (needs the model:
         `prepare_model`); a window layer's heads are never listed (it is never compressed)."""
         if self._listed is None:
-            listed = self.method.listed_heads(self.model_ref())
+            listed = self.head_policy.listed_heads(self.model_ref())
             self._listed = {
                 layer: heads for layer, heads in listed.items() if layer not in self.sliding_windows
             }
         return self._listed
 
-    def heads_kept_whole(self) -> dict[int, list[int]]:
-        """The listed heads when they are kept whole (heads=whole), else none."""
-        return self.heads_listed() if self.method.heads == "whole" else {}
+    @property
+    def listed_role(self) -> str:
+        """The role of the heads the head policy lists: "whole" (heads=whole) or "favoured" (budget)."""
+        return "whole" if self.head_policy.listed_whole else "favoured"
+
+    # --- the plans (centroidkv.group_plan) -------------------------------------------------------
+    def group_plan(self, layer: CompressedLayer, role: str, with_budget: bool = True) -> GroupPlan:
+        """What a group of `role` in `layer` does now, from this cache's settings and the layer's state:
+        the one place a role is read. `with_budget=False` leaves the budget out (a fork's layer, whose
+        cache has not all its layers yet: a byte plan needs them all)."""
+        if role not in ROLES:
+            raise ValueError(f"a head group's role is one of {', '.join(ROLES)}, got {role!r}")
+        method = self.method
+        keeps_records = role in ("compressed", "favoured")
+        compresses = keeps_records and method.compresses
+        budget_len = self.role_budget(layer, role) if with_budget else None
+        compress_above = None
+        if compresses and self.compression_enabled and budget_len is not None:
+            decoding = layer.n_seen > layer.prompt_len  # let g tokens accumulate before re-compressing
+            compress_above = budget_len + (method.compress_interval - 1 if decoding else 0)
+        return GroupPlan(
+            storage=StorageFormat() if role == "window" else self.storage,  # window layers: model dtype
+            in_place=self.in_place,
+            keeps_records=keeps_records,
+            entry_records=self.entry_needs if keeps_records else (),
+            window_records=tuple(self.window_needs.items()) if keeps_records else (),
+            budget_len=budget_len,
+            compress_above=compress_above,
+            compresses=compresses,
+            compress_interval=method.compress_interval,
+            max_new_tokens=self.max_new_tokens,
+            window=layer.window if role == "window" else None,
+            method=method,
+            n_sink=method.n_sink,
+            n_recent=method.n_recent,
+            merges=method.merges,
+            label=method.name,
+        )
+
+    def role_budget(self, layer: CompressedLayer, role: str) -> int | None:
+        """Entries per head a group of `role` in `layer` is compressed to: B ("compressed"),
+        heads_boost x B ("favoured"), a window layer's W - 1; None for heads kept whole, or before
+        the prompt."""
+        if layer.prompt_len is None or role == "whole":
+            return None
+        if role == "window":
+            return layer.window - 1
+        budget = self.layer_budget_len(layer)
+        if role == "favoured":
+            return favoured_len(budget, self.head_policy.heads_boost, layer.prompt_len + self.max_new_tokens)
+        return budget
 
     # --- the budget (module docstring; centroidkv.budget) -------------------------------------------
     def layer_budget_len(self, layer: CompressedLayer) -> int:
@@ -347,7 +200,33 @@ class CompressedCache(Cache):
             return
         key = (layer.prompt_len, layer.n_seen if self.heads_listed() else 0)
         if self._byte_plan is None or self._byte_plan[0] != key:
-            self._byte_plan = (key, solve_byte_plan(self, layer))
+            self._byte_plan = (key, solve(self.byte_shape(layer)))
+
+    def byte_shape(self, layer: CompressedLayer) -> ByteShape:
+        """What the byte plan depends on when `layer` compresses (`centroidkv.byte_plan.ByteShape`)."""
+        batch, _, _, head_dim = layer.keys.shape
+        method, listed, n_layers = self.method, self.heads_listed(), self.n_layers
+        return ByteShape(
+            batch=batch,
+            n_heads=len(layer.head_lengths()),  # every KV head of a layer
+            head_dim=head_dim,
+            itemsize=layer.dtype.itemsize,
+            n_records=len(self.entry_needs) + (1 if method.merges else 0),  # + the log-degree
+            storage=self.storage,
+            listed=tuple(len(listed.get(index, ())) for index in range(n_layers)),
+            listed_whole=self.head_policy.listed_whole,
+            heads_boost=self.head_policy.heads_boost,
+            windows=tuple(self.sliding_windows.get(index) for index in range(n_layers)),
+            n_seen=layer.n_seen,
+            prompt_len=layer.prompt_len,
+            max_new_tokens=self.max_new_tokens,
+            budget=self.budget,
+            # (the model's query group: a plan solved before the first attention call knows it too)
+            query_group=self.query_group or layer.query_group,
+            window_records=sum(self.window_needs.values()),
+            layer_budget=method.layer_budget,
+            method_name=method.name,
+        )
 
     def take_model_from(self, source: CompressedCache) -> None:
         """What the attention hook tells a cache about its model (`centroidkv.attention`), from `source`."""
@@ -368,8 +247,7 @@ class CompressedCache(Cache):
     def layer_entries(self, layer_idx: int, length: int) -> int:
         """Entries per head a full cache holds in `layer_idx` after `length` tokens: all of them, or the
         last W - 1 in a window layer (transformers' own sliding-window cache)."""
-        window = self.sliding_windows.get(layer_idx)
-        return length if window is None else min(length, window - 1)
+        return full_entries(self.sliding_windows.get(layer_idx), length)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None
@@ -425,8 +303,9 @@ class CompressedCache(Cache):
         for layer in self.layers:
             if not (self.method.compresses and layer.compresses and layer.length and layer.keys.shape[1]):
                 continue  # as in needs_compression: nothing to compress here
-            if layer.length + n_new_tokens > layer.budget_len + self.method.compress_interval - 1:
-                layer.check_protected_fit()
+            plan = layer.plan(layer.main_role)
+            if layer.length + n_new_tokens > plan.budget_len + plan.compress_interval - 1:
+                plan.protected_windows()
 
     def kv_bytes(self) -> int:
         """Bytes of everything the cache stores: keys, values, log-degrees, the method's entry records

@@ -1,6 +1,6 @@
 """Head files: a calibrated score for every (layer, KV head) pair, and the heads a head policy lists.
 
-A head policy (`centroidkv.heads`) lists the worst `fraction` of all (layer, KV head) pairs by a score
+A head policy (`centroidkv.head_policy`) lists the worst `fraction` of all (layer, KV head) pairs by a score
 measured by `centroidkv.head_scores.calibrate_heads` on token windows the caller gives: prefill each window with a full
 cache, shrink it to a budget, and compare each KV head's attention output for the last 64 queries (its
 query heads, the degree-aware attention, causal) against the full cache's: relative L2 error
@@ -297,17 +297,6 @@ def needed_head_file(
     if path is None:
         raise CalibrationMissing(model_name, user_head_file(model_name, str(source)), str(source))
     return path
-
-
-def check_calibrated(method, model_name: str) -> None:
-    """Before `model_name` is installed, converted or loaded: `CalibrationMissing` (one line) when
-    `method`'s head policy needs a head file of it that is not there. A model whose shape is not known
-    without loading it (`centroidkv.model_specs.model_shape`) is checked when it loads instead."""
-    from centroidkv.model_specs import model_shape
-
-    shape = model_shape(model_name)
-    if method.lists_heads and shape is not None:
-        needed_head_file(model_name, shape, method.heads_file, method.heads_fraction)
 
 
 def write_head_file(data: dict, path: Path) -> Path:

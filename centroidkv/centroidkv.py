@@ -17,8 +17,8 @@ of the ablation on the embedded model, `make ablate-centroidkv`, docs/results.md
   similarity: "post_rope" (the cached keys) or "pre_rope" (keys with the model's rotary embedding
     undone at each entry's degree-weighted mean position, recorded as the "position" need and counted
     in kv_bytes). Merging always averages the cached (post-RoPE) keys and the values.
-  heads, heads_file, heads_fraction, heads_boost: the head policy every method has
-    (`centroidkv.heads`). CentroidKV's default is the paper's: heads="whole" with the "clustering"
+  heads, heads_file, heads_fraction, heads_boost: the head policy every method takes
+    (`centroidkv.head_policy`, a wrapper: `wrapper_params` sets its defaults here). CentroidKV's default is the paper's: heads="whole" with the "clustering"
     score, the 4 % of (layer, KV head) pairs that clustering damages most keep every token (the
     calibrated list of the model the cache runs on: the user cache dir, else the list shipped in the
     package; a model with neither is refused with one line naming `python -m eval.calibrate`, which
@@ -31,7 +31,6 @@ of the ablation on the embedded model, `make ablate-centroidkv`, docs/results.md
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,8 +90,10 @@ class CentroidKV(Method):
     delta_r: float = param(0.0, minimum=0.0, maximum=1.0)
     r_min: float = param(0.1, minimum=0.0, maximum=1.0, low_open=True, at_most="r_init")
     similarity: str = param("pre_rope", choices=SIMILARITIES)
-    heads: str = "whole"
-    heads_file: str = "clustering"
+    # the paper's outlier heads kept whole (`centroidkv.head_policy`), listed by the clustering score,
+    # whose head file records the clustering it measured: other settings are warned about
+    wrapper_params = {"heads": "whole", "heads_file": "clustering"}
+    compares_calibration = True
 
     @property
     def rows_independent(self) -> bool:
@@ -100,11 +101,6 @@ class CentroidKV(Method):
 
     def needs(self) -> tuple[Need, ...]:
         return (POSITION,) if self.similarity == "pre_rope" else ()
-
-    def calibration_settings(self) -> dict[str, Any]:
-        """A clustering-score head file records the CentroidKV settings it measured; runs with others
-        are warned that the heads were chosen for another clustering."""
-        return {k: v for k, v in self.params().items() if not k.startswith("heads")}
 
     @property
     def merge_schedule(self) -> LinearSchedule | AdaptiveSchedule:

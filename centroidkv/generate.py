@@ -88,7 +88,7 @@ def generate(
     model's positions, or a head policy on a model not calibrated yet (`python -m eval.calibrate`).
     """
     from centroidkv.decoding import eos_token_ids
-    from centroidkv.methods import parse_method
+    from centroidkv.methods import HeadPolicy, parse_method
     from centroidkv.plan import Run, run, warm_up
 
     budget = check_budget(budget)
@@ -100,7 +100,7 @@ def generate(
     for q in range(len(questions)):
         check_fits(len(prompt.prefilled) + len(prompt.fed_ids(q)), max_new_tokens, positions, "the model")
     for _, method in named:  # heads kept whole resolved before any forward (a missing file: one line)
-        method.listed_heads(model)
+        HeadPolicy.of(method).listed_heads(model)
     answers = _refused(named, protocol, questions[0])
     for answer in answers.values():
         if on_answer:

@@ -1,13 +1,11 @@
 """One group of a layer's KV heads and everything the cache stores for it.
 
-A method's head policy (`centroidkv.heads`) splits a layer's KV heads into groups at its first
-compression; until then, and under `heads=none`, one group holds every head. A group's `role` says
-what happens to it:
-
-  "compressed"  compressed to the layer's budget B (every head under heads=none);
-  "whole"       heads=whole's listed heads: every token seen, never compressed, no records;
-  "favoured"    heads=budget's listed heads: compressed to heads_boost x B (`favoured_len`);
-  "window"      a hybrid model's window layer: its last W - 1 tokens (`centroidkv.window_layer`).
+A method's head policy (`centroidkv.head_policy`) splits a layer's KV heads into groups at its first
+compression; until then, and under `heads=none`, one group holds every head. A group's `role`
+("compressed", "whole", "favoured", "window") is a label: its cache turns it into a `GroupPlan`
+(`centroidkv.group_plan`: the budget, the storage format, the records to keep) and its layer hands
+that plan to every call of the group that needs settings. A group holds no reference to its layer or
+cache: it stores tensors and applies the plan it is given.
 
 Layout of a group (H_g its KV heads, H_q their query heads):
   keys, values   [B, H_g, T, D]   entries (in the storage format: `centroidkv.quantization`)
@@ -16,6 +14,7 @@ Layout of a group (H_g its KV heads, H_q their query heads):
   windows[name]  [B, H_q, w, ...] window records (e.g. the last w queries) of its query heads
   packed[slot]   the integer codes of a slot's oldest entries; the slot then holds the residual
   heads          [H_g] the layer's KV head ids it holds (None: every head, the layer is not split)
+  dtype          the model's dtype, in which `read` returns keys and values
 
 In-place decoding: every growing tensor is the live prefix `buffer[:, :, :length]` of a buffer with
 headroom (`_capacity`), so a decode step copies one token instead of concatenating the whole cache.
@@ -27,25 +26,17 @@ source's buffers (headroom included) that its views keep alive.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+import dataclasses
 
 import torch
 from torch import Tensor
 
-from centroidkv.budget import fit_protected
 from centroidkv.compression import compress_protected
-from centroidkv.heads import favoured_len
+from centroidkv.group_plan import GroupPlan
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import RECORDERS
 from centroidkv.quantization import PackedCodes, concat, dequantize, quantize, value_group
 
-# centroidkv.cache's classes, named for the reader but not imported: that module imports this one, and
-# the import picture has no circles (tests/test_import_cycles.py), type-only imports included.
-CompressedCache = Any
-CompressedLayer = Any
-
-ROLES = ("compressed", "whole", "favoured", "window")
 # The slots a storage precision converts, and the axis of their integer codes: keys per channel,
 # values per token (KIVI).
 STORED_SLOTS = {"keys": "channel", "values": "token"}
@@ -54,13 +45,10 @@ STORED_SLOTS = {"keys": "channel", "values": "token"}
 class HeadGroup:
     """Some KV heads of one layer and what is stored for them (module docstring)."""
 
-    def __init__(self, layer: CompressedLayer, role: str = "compressed", heads: Tensor | None = None):
-        if role not in ROLES:
-            raise ValueError(f"a head group's role is one of {', '.join(ROLES)}, got {role!r}")
-        # Weak: layer -> group -> layer would be a reference cycle, kept alive until the cycle collector.
-        self._layer = weakref.ref(layer)
-        self.role = role
+    def __init__(self, role: str = "compressed", heads: Tensor | None = None):
+        self.role = role  # which plan it is handed (`centroidkv.cache.CompressedCache.group_plan`)
         self.heads = heads
+        self.dtype: torch.dtype | None = None  # the model's, set by the first tokens
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
         self.log_degree: Tensor | None = None
@@ -71,22 +59,6 @@ class HeadGroup:
         self.protected_used: tuple[int, int] | None = None  # (n_sink, n_recent) of its last compression
         # slot ("keys", "log_degree", "extras.<name>") -> (buffer, the live view of it last stored there)
         self._buffers: dict[str, tuple[Tensor, Tensor]] = {}
-
-    @property
-    def layer(self) -> CompressedLayer:
-        layer = self._layer()
-        if layer is None:
-            raise RuntimeError("this head group outlived its cache layer")
-        return layer
-
-    @property
-    def owner(self) -> CompressedCache:
-        return self.layer.owner
-
-    @property
-    def records(self) -> bool:
-        """Whether this group keeps degrees and records (heads that are never compressed keep none)."""
-        return self.role in ("compressed", "favoured")
 
     @property
     def n_heads(self) -> int:
@@ -104,62 +76,48 @@ class HeadGroup:
         )
 
     @property
-    def budget_len(self) -> int | None:
-        """Entries per head this group is compressed to (None: never compressed, or no prompt yet)."""
-        layer = self.layer
-        if layer.prompt_len is None or self.role == "whole":
-            return None
-        if self.role == "window":
-            return layer.window - 1
-        budget = self.owner.layer_budget_len(layer)
-        if self.role == "favoured":
-            owner = self.owner
-            return favoured_len(budget, owner.method.heads_boost, layer.prompt_len + owner.max_new_tokens)
-        return budget
-
-    @property
     def tracks_attention(self) -> bool:
-        """Whether the attention function must compute the attention each entry receives."""
-        return self.records and any(RECORDERS[name].uses_received for name in self.owner.entry_needs)
+        """Whether the attention function must compute the attention each entry receives: one of the
+        records it keeps is fed by it."""
+        return any(RECORDERS[name].uses_received for name in self.extras)
 
     # --- storing tokens ---------------------------------------------------------------------------
-    def add(self, key_states: Tensor, value_states: Tensor, n_seen: int) -> None:
+    def add(self, key_states: Tensor, value_states: Tensor, n_seen: int, plan: GroupPlan) -> None:
         """Store the new tokens' keys and values [B, H_g, q, D] (tokens n_seen.. of the layer) and
         their records."""
         batch, heads, new_tokens = key_states.shape[:3]
         if self.length == 0:  # the first tokens: keep the projections as they are, no copy
-            self.keys, self.values = key_states, value_states
+            self.keys, self.values, self.dtype = key_states, value_states, key_states.dtype
         else:
-            self._append("keys", key_states)
-            self._append("values", value_states)
-        if self.role != "window" and self.owner.storage.precision != "model":
-            self.settle()
-        if not self.records:
+            self._append("keys", key_states, plan)
+            self._append("values", value_states, plan)
+        if plan.storage.precision != "model":
+            self.settle(plan)
+        if not plan.keeps_records:
             return
         if self.log_degree is not None:
-            self._append("log_degree", key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32))
-        for name in self.owner.entry_needs:
+            new = key_states.new_zeros(batch, heads, new_tokens, dtype=torch.float32)
+            self._append("log_degree", new, plan)
+        for name in plan.entry_records:
             new = RECORDERS[name].initial(n_seen, (batch, heads, new_tokens), key_states.device)
             if name in self.extras:
-                self._append(f"extras.{name}", new)
+                self._append(f"extras.{name}", new, plan)
             else:
                 self.extras[name] = new
 
     def read(self, slot: str) -> Tensor:
         """The entries of `slot` ("keys" or "values") in the model's dtype: the stored tensor itself at
         the model's precision, else a transient dequantized copy."""
-        live, packed, dtype = self._get(slot), self.packed.get(slot), self.layer.dtype
+        live, packed, dtype = self._get(slot), self.packed.get(slot), self.dtype
         if packed is None:
             return live if live.dtype == dtype else live.to(dtype)
         return torch.cat([dequantize(packed, dtype), live.to(dtype)], dim=2)
 
-    def settle(self) -> None:
-        """Bring keys and values to the cache's storage format: the float dtype it names, or, for
+    def settle(self, plan: GroupPlan) -> None:
+        """Bring keys and values to the plan's storage format: the float dtype it names, or, for
         integer codes, every whole group beyond the residual window quantized (KIVI's order: a token
         leaves the full-precision residual a group at a time)."""
-        if self.role == "window":  # window layers stay in the model's dtype
-            return
-        storage, dtype = self.owner.storage, self.layer.dtype
+        storage, dtype = plan.storage, self.dtype
         for slot, axis in STORED_SLOTS.items():
             live = self._get(slot)
             if live is None or live.dim() < 4:
@@ -182,16 +140,16 @@ class HeadGroup:
                 self.packed[slot] = concat(
                     packed, quantize(live[:, :, :moved], storage.bits, storage.group, axis)
                 )
-                self._keep_residual(slot, live[:, :, moved:])
+                self._keep_residual(slot, live[:, :, moved:], plan)
 
-    def _keep_residual(self, slot: str, residual: Tensor) -> None:
+    def _keep_residual(self, slot: str, residual: Tensor, plan: GroupPlan) -> None:
         """Store `residual` (a view into a larger tensor) in a buffer of its own with room for the
         tokens decoded until its next group is quantized."""
-        if not self.owner.in_place:
+        if not plan.in_place:
             self._set(slot, residual.clone())
             return
         length = residual.shape[2]
-        capacity = self._capacity(slot, length, first=False)
+        capacity = self._capacity(slot, length, False, plan)
         buffer = residual.new_empty(*residual.shape[:2], capacity, *residual.shape[3:])
         buffer[:, :, :length] = residual
         self._store(slot, buffer, length)
@@ -210,16 +168,16 @@ class HeadGroup:
             setattr(self, slot, live)
         self.drop_stale_buffer(slot)
 
-    def _append(self, slot: str, new: Tensor) -> None:
+    def _append(self, slot: str, new: Tensor, plan: GroupPlan) -> None:
         """Append `new` along dim 2 to the tensor in `slot`: in place when its buffer has room."""
         live = self._get(slot)
-        if not self.owner.in_place:
+        if not plan.in_place:
             self._set(slot, torch.cat([live, new], dim=2))
             return
         length, needed = live.shape[2], live.shape[2] + new.shape[2]
         buffer, view = self._buffers.get(slot, (None, None))
         if view is not live or buffer.shape[2] < needed:  # no buffer, a replaced tensor, or full
-            capacity = self._capacity(slot, needed, first=view is not live)
+            capacity = self._capacity(slot, needed, view is not live, plan)
             buffer = live.new_empty(*live.shape[:2], capacity, *live.shape[3:])
             buffer[:, :, :length] = live
         buffer[:, :, length:needed] = new
@@ -243,22 +201,23 @@ class HeadGroup:
         if held is not None and held[1] is not self._get(slot):
             del self._buffers[slot]
 
-    def _capacity(self, slot: str, needed: int, first: bool) -> int:
+    @staticmethod
+    def _capacity(slot: str, needed: int, first: bool, plan: GroupPlan) -> int:
         """Entries to allocate for `slot` when `needed` no longer fit. `first`: the slot has no buffer
         of its own yet (e.g. the first step after a fork)."""
-        owner, layer = self.owner, self.layer
-        if self.role == "window":
-            return max(needed, layer.window)  # the kept entries and the next token
-        if owner.storage.integer and slot in STORED_SLOTS:
+        storage = plan.storage
+        if plan.window is not None:
+            return max(needed, plan.window)  # the kept entries and the next token
+        if storage.integer and slot in STORED_SLOTS:
             # the residual: it holds residual .. residual + group - 1 entries between quantizations
-            return max(needed, owner.storage.residual + owner.storage.group)
-        if owner.method.compresses and layer.prompt_len is not None and self.role != "whole":
+            return max(needed, storage.residual + storage.group)
+        if plan.compresses and plan.budget_len is not None:
             # compressed entries: room for the g tokens decoded before the next compression
-            return max(self.budget_len, needed) + owner.method.compress_interval
-        if first and owner.max_new_tokens:
+            return max(plan.budget_len, needed) + plan.compress_interval
+        if first and plan.max_new_tokens:
             # the generation the cache was planned for: of max_new_tokens generated tokens all but
             # the last are fed back, so max_new_tokens - 1 more after this write
-            return needed + owner.max_new_tokens - 1
+            return needed + plan.max_new_tokens - 1
         return 2 * needed
 
     # --- what it stores --------------------------------------------------------------------------
@@ -302,77 +261,64 @@ class HeadGroup:
         return self.keys.new_zeros(*self.keys.shape[:2], self.length, dtype=torch.float32)
 
     # --- records and compression -----------------------------------------------------------------
-    def record(self, query: Tensor, received: Tensor | None) -> None:
+    def record(self, query: Tensor, received: Tensor | None, plan: GroupPlan) -> None:
         """Update the window and entry records with this group's queries [B, H_q, q, D] and the
-        attention each entry received (`received` [B, H_g, T], when the cache tracks attention)."""
-        if not self.records:
+        attention each entry received (`received` [B, H_g, T], when it tracks attention)."""
+        if not plan.keeps_records:
             return
-        for name, window in self.owner.window_needs.items():
+        for name, window in plan.window_records:
             # a copy: a slice would keep the whole tensor it was cut from (the prompt's queries) alive
             recorded = RECORDERS[name].after_attention(self.windows.get(name), query, None)
             self.windows[name] = recorded[:, :, -window:].clone()
         if self.keys is not None and self.keys.dim() == 4 and self.keys.shape[1] == 0:
             return  # every head of the layer is in another group: nothing to record
-        for name in self.owner.entry_needs:
+        for name in plan.entry_records:
             if RECORDERS[name].uses_received and received is None:
                 raise RuntimeError(f"this cache records {name}: the attention function must pass `received`")
             self.extras[name] = RECORDERS[name].after_attention(self.extras[name], query, received)
             self.drop_stale_buffer(f"extras.{name}")
 
-    def needs_compression(self) -> bool:
-        owner, layer = self.owner, self.layer
-        if not self.records or not (owner.compression_enabled and owner.method.compresses):
+    def needs_compression(self, plan: GroupPlan) -> bool:
+        """Whether it holds more than the plan lets it (`GroupPlan.compress_above`)."""
+        if plan.compress_above is None or self.length == 0 or self.keys.shape[1] == 0:
             return False
-        if self.length == 0 or self.keys.shape[1] == 0:
-            return False
-        limit = self.budget_len
-        if layer.n_seen > layer.prompt_len:  # decoding: let g tokens accumulate before re-compressing
-            limit += owner.method.compress_interval - 1
-        return self.length > limit
+        return self.length > plan.compress_above
 
-    def protected_windows(self) -> tuple[int, int]:
-        """(n_sink, n_recent) its compressions keep: the method's, shrunk to the budget when it cannot
-        hold them (`centroidkv.budget.fit_protected`: the recent window first, then the sinks)."""
-        method = self.owner.method
-        return fit_protected(self.budget_len, method.n_sink, method.n_recent, f"{method.name} at this budget")
-
-    def compress(self) -> None:
-        """Shrink this group to its budget, its sinks and recent window untouched."""
-        owner, layer = self.owner, self.layer
-        owner.plan_budget(layer)  # in bytes: what the other groups hold now
-        budget = self.budget_len
+    def compress(self, plan: GroupPlan, stats: LayerStats) -> None:
+        """Shrink this group to the plan's budget, its sinks and recent window untouched; `stats`: its
+        layer's (`LayerStats`: the layer, its scaling, the rotary table), without the windows."""
+        budget = plan.budget_len
         if self.length <= budget or self.keys.shape[1] == 0:
             return
-        n_sink, n_recent = self.protected_windows()
+        n_sink, n_recent = plan.protected_windows()
         self.protected_used = (n_sink, n_recent)
         # A merge or eviction works on the entries in the model's dtype (dequantized when the storage
         # is not); the result is stored in the storage format again (`settle`, below).
         kv = LayerKV(self.read("keys"), self.read("values"), self.degrees_or_zeros(), dict(self.extras))
-        rotary = owner.rotary[layer.layer_idx] if owner.rotary else None
-        stats = LayerStats(layer.layer_idx, owner.n_layers, layer.scaling, self.windows, rotary=rotary)
-        kept = compress_protected(kv, budget, owner.method, stats, n_sink, n_recent)
+        stats = dataclasses.replace(stats, windows=self.windows)
+        kept = compress_protected(kv, budget, plan.method, stats, n_sink, n_recent)
         # into buffers with room for the g tokens decoded before the next compression
-        capacity = self._capacity("keys", budget, first=True) if owner.in_place else budget
+        capacity = self._capacity("keys", budget, True, plan) if plan.in_place else budget
         self.packed.pop("keys", None)
         self.packed.pop("values", None)
         self.store_new("keys", kept.keys, capacity)
         self.store_new("values", kept.values, capacity)
-        if owner.method.merges or self.log_degree is not None:
+        if plan.merges or self.log_degree is not None:
             self.store_new("log_degree", kept.log_degree, capacity)
         for name in list(self.extras):
             self.store_new(f"extras.{name}", kept.extras[name], capacity)
         self.n_compressions += 1
-        if owner.storage.precision != "model":
-            self.settle()
+        if plan.storage.precision != "model":
+            self.settle(plan)
 
     # --- splitting and forking -------------------------------------------------------------------
-    def select(self, layer: CompressedLayer, role: str, heads: Tensor, n_heads: int) -> HeadGroup:
-        """A new group of `layer` holding the KV heads `heads` (of this group's `n_heads`, which hold
-        every head of the layer) with their entries, codes, degrees and records as they are now."""
-        group = HeadGroup(layer, role, heads)
-        group.keys, group.values = self.keys[:, heads], self.values[:, heads]
+    def select(self, role: str, heads: Tensor, n_heads: int, plan: GroupPlan) -> HeadGroup:
+        """A new group of `role` (its `plan`) holding the KV heads `heads` (of this group's `n_heads`,
+        which hold every head of the layer) with their entries, codes, degrees and records as they are now."""
+        group = HeadGroup(role, heads)
+        group.dtype, group.keys, group.values = self.dtype, self.keys[:, heads], self.values[:, heads]
         group.packed = {slot: packed.heads(heads) for slot, packed in self.packed.items()}
-        if group.records:
+        if plan.keeps_records:
             group.log_degree = None if self.log_degree is None else self.log_degree[:, heads]
             group.extras = {name: record[:, heads] for name, record in self.extras.items()}
             group.windows = {
@@ -380,34 +326,35 @@ class HeadGroup:
             }
         return group
 
-    def fork(self, layer: CompressedLayer, split: bool) -> HeadGroup:
-        """A group of `layer` (another cache's) that shares this one's tensors (never modified in
-        place), with only the records its cache asks for. `split`: the source layer's heads are split."""
-        twin = HeadGroup(layer, self.role, self.heads)
-        twin.keys, twin.values, twin.log_degree = self.keys, self.values, self.log_degree
+    def fork(self, plan: GroupPlan, as_seen: bool) -> HeadGroup:
+        """A group for another cache (whose `plan` it gets) that shares this one's tensors (never
+        modified in place), with only the records that plan keeps. `as_seen`: its entries are the
+        tokens seen, one each (never compressed), so records that start from them can be rebuilt."""
+        twin = HeadGroup(self.role, self.heads)
+        twin.dtype, twin.keys, twin.values, twin.log_degree = (
+            self.dtype,
+            self.keys,
+            self.values,
+            self.log_degree,
+        )
         twin.packed = dict(self.packed)  # codes are never modified in place: shared until replaced
         twin.n_compressions, twin.protected_used = self.n_compressions, self.protected_used
-        if not twin.records:
+        if not plan.keeps_records:
             return twin
-        owner = layer.owner
-        for name in owner.entry_needs:
+        for name in plan.entry_records:
             if name in self.extras:
                 twin.extras[name] = self.extras[name]
-            elif (
-                RECORDERS[name].rebuildable
-                and self.length == layer.n_seen
-                and not (split and self.role == "compressed")
-            ):
+            elif RECORDERS[name].rebuildable and as_seen:
                 shape = (*self.keys.shape[:2], self.length)
                 twin.extras[name] = RECORDERS[name].initial(0, shape, self.keys.device)
             else:
                 raise ValueError(
-                    f"{owner.method.name} needs {name!r}, which the source cache did not record; {FORK_NEEDS_FIX}"
+                    f"{plan.label} needs {name!r}, which the source cache did not record; {FORK_NEEDS_FIX}"
                 )
-        for name, window in owner.window_needs.items():
+        for name, window in plan.window_records:
             if name not in self.windows or self.windows[name].shape[2] < window:
                 raise ValueError(
-                    f"{owner.method.name} needs a {name!r} window of {window}, which the source cache did not "
+                    f"{plan.label} needs a {name!r} window of {window}, which the source cache did not "
                     f"keep; {FORK_NEEDS_FIX}"
                 )
             # the fork's own copy: a view would keep the source's whole window (and, for the shared

@@ -1,7 +1,8 @@
 """A method parameter's rule, declared once on its dataclass field and checked without torch.
 
 A method (`centroidkv.methods.Method`) declares the simple rule of each parameter where the field is
-defined: `n_recent: int = param(64, minimum=0)`, `heads: str = param("none", choices=HEAD_POLICIES)`.
+defined: `n_recent: int = param(64, minimum=0)`, `schedule: str = param("adaptive", choices=SCHEDULES)`;
+so does a wrapper of every method (`centroidkv.wrapper`: `heads: str = param("none", choices=...)`).
 `Method.validate` checks every field by its rule (`param_errors`), and the configuration's schema
 (`centroidkv.schema`) records the rules, so a configuration or a command line is checked before the
 method modules (and torch) are imported. A rule may also bound a number by another parameter of the
@@ -101,6 +102,24 @@ def field_rule(cls: type, field: dataclasses.Field) -> dict[str, Any]:
             rule = dict(declared.metadata[RULE_KEY])
             break
     return {"default": default, "type": type_of(default), **rule}
+
+
+def rule_set_apart(rule: dict[str, Any], declared: list[Any]) -> dict[str, Any]:
+    """A parameter's `rule` (as `field_rule` gives it) for a class that sets it apart without a field
+    of its own (a method's `wrapper_params`, `centroidkv.wrapper`): `declared` holds the entries of the
+    class and its bases for it, the nearest first. As for a redefined field, the nearest entry gives
+    the default (a plain value, or a `param`'s), the nearest `param` the rule; none: the rule stays."""
+    if not declared:
+        return rule
+    nearest = declared[0]
+    default = field_default(nearest) if isinstance(nearest, dataclasses.Field) else nearest
+    ruled = [d for d in declared if isinstance(d, dataclasses.Field) and RULE_KEY in d.metadata]
+    kept = (
+        dict(ruled[0].metadata[RULE_KEY])
+        if ruled
+        else {k: v for k, v in rule.items() if k not in ("default", "type")}
+    )
+    return {"default": default, "type": type_of(default), **kept}
 
 
 def field_rules(cls: type) -> dict[str, dict[str, Any]]:

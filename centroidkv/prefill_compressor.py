@@ -11,6 +11,7 @@ from torch import nn
 
 from centroidkv.cache import CompressedCache
 from centroidkv.methods import Method
+from centroidkv.wrapper import innermost
 
 
 class PrefillRun(Protocol):
@@ -47,4 +48,5 @@ class PrefillCompressor(Protocol):
 
 
 def compresses_in_prefill(method: Method) -> bool:
-    return isinstance(method, PrefillCompressor)
+    """Whether `method` (inside its wrappers, `centroidkv.wrapper`) is a `PrefillCompressor`."""
+    return isinstance(innermost(method), PrefillCompressor)

@@ -42,11 +42,11 @@ SCALE_DTYPE = torch.float16  # scales and zeros, as KIVI stores them
 DEFAULT_GROUP = 32  # KIVI's group size in its main experiments
 DEFAULT_RESIDUAL = 128  # KIVI's full-precision residual
 CODE_AXES = ("channel", "token")  # keys per channel, values per token
-STORAGE_PARAMS = ("kv_precision", "kv_group", "kv_residual")  # every method's storage parameters
 
 
-# The storage parameters' rules (`centroidkv.params.param`), declared once: the methods' fields carry
-# them into the torch-free schema, and `check_precision` checks a format built without a method.
+# The storage parameters' rules (`centroidkv.params.param`), declared once: the fields of the storage
+# precision (`centroidkv.storage_precision`) carry them into the torch-free schema, and
+# `check_precision` checks a format built without a method.
 # A group divides the head size (no model here has heads over 256 channels); the residual is a
 # preallocated full-precision buffer, so it is bounded by the longest context any model here takes.
 MAX_GROUP = 256

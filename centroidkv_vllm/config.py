@@ -16,7 +16,7 @@ from centroidkv.errors import first_line
 from centroidkv.params import field_rules, param, param_errors
 
 if TYPE_CHECKING:
-    from centroidkv.centroidkv import CentroidKV
+    from centroidkv.wrapper import MethodWrapper
 
 CONFIG_KEY = "centroidkv"
 SUPPORTED_ISAS = ("vec", "vec16")  # the CPU kernels whose block layout `centroidkv_vllm.paged` reads
@@ -80,12 +80,13 @@ class CentroidConfig:
             raise SettingsError(first_line(error)) from None  # its line starts "centroidkv: "
         return config
 
-    def method(self) -> CentroidKV:
-        """The harness's CentroidKV with these settings: every head compressed (heads=none) and
-        similarity on the cached (post-RoPE) keys."""
-        from centroidkv.centroidkv import CentroidKV  # torch: at call time
+    def method(self) -> MethodWrapper:
+        """The harness's CentroidKV with these settings (`get_method`, inside its wrappers): every head
+        compressed (heads=none) and similarity on the cached (post-RoPE) keys."""
+        from centroidkv.methods import get_method  # torch: at call time
 
-        return CentroidKV(
+        return get_method(
+            "centroidkv",
             chunk_size=self.chunk_size,
             schedule=self.schedule,
             r_min=self.r_min,

@@ -33,6 +33,7 @@ from centroidkv.calibrate import (
     write_head_file,
 )
 from centroidkv.errors import first_line
+from centroidkv.head_policy import HeadPolicy
 from centroidkv.model_names import EMBEDDED_MODEL, declared_positions
 
 if TYPE_CHECKING:
@@ -137,12 +138,13 @@ def calibrate(
 
 
 def calibrate_missing(model, methods: Iterable[Method]) -> None:
-    """Resolve each method's listed heads on `model` now (`Method.listed_heads`); a head file that a
+    """Resolve each method's listed heads on `model` now (`HeadPolicy.listed_heads`); a head file that a
     score lacks is calibrated first, saying so on stderr, and written where the score reads it. Other
     errors (a file of another model) pass through."""
     for method in methods:
+        policy = HeadPolicy.of(method)
         try:
-            method.listed_heads(model)
+            policy.listed_heads(model)
         except CalibrationMissing as missing:
             try:
                 check_calibratable(missing.model_name)
@@ -155,7 +157,7 @@ def calibrate_missing(model, methods: Iterable[Method]) -> None:
             )
             data = calibrate(model, missing.model_name, score=missing.score)
             write_head_file(data, missing.path)
-            method.listed_heads(model)
+            policy.listed_heads(model)
 
 
 def check_calibratable(name: str) -> None:

@@ -28,7 +28,7 @@ from centroidkv.budget import (
     fit_protected,
 )
 from centroidkv.errors import first_line
-from centroidkv.heads import compressed_fraction
+from centroidkv.head_policy import HeadPolicy, compressed_fraction
 from centroidkv.model_names import declared_positions
 from centroidkv.params import did_you_mean
 from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
@@ -403,9 +403,10 @@ def _budget_errors(
     - a budget that keeps no entry at all at the benchmark's shortest length, when a length counts the
       sample's prompt and new tokens (RULER, NIAH): every sample would fail at its first compression
       (one too small for the protected windows shrinks them: `centroidkv.budget.fit_protected`). In
-      bytes the compressed heads' share is estimated (`centroidkv.heads.compressed_fraction`); the
+      bytes the compressed heads' share is estimated (`centroidkv.head_policy.compressed_fraction`); the
       cache checks the exact one at run time."""
     from centroidkv import get_method
+    from centroidkv.storage_precision import StoragePrecision
     from eval.window_budget import window_budget_error
 
     errors = []
@@ -413,14 +414,14 @@ def _budget_errors(
         method = get_method(spec.name, **spec.params)
         if not method.compresses:
             continue
-        fraction = spec.budget
-        if method.heads == "budget" and method.listed_fraction(model_name) >= 1:
+        fraction, policy = spec.budget, HeadPolicy.of(method)
+        if policy.heads == "budget" and policy.listed_fraction(model_name) >= 1:
             errors.append(f"budgets: {spec.label} on {model_name}: {EVERY_HEAD_FAVOURED}")
             continue
         if budget_unit == "bytes":
             try:
                 fraction = compressed_fraction(
-                    spec.budget, method.listed_fraction(model_name), method.listed_boost
+                    spec.budget, policy.listed_fraction(model_name), policy.listed_boost
                 )
             except ValueError as error:
                 errors.append(f"budgets: {spec.label} in bytes on {model_name}: {error}")
@@ -438,7 +439,7 @@ def _budget_errors(
         if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.quantization)
             import torch
 
-            kept = method.storage.entries_in(kept, getattr(torch, dtype).itemsize)
+            kept = StoragePrecision.of(method).storage.entries_in(kept, getattr(torch, dtype).itemsize)
         what = f"{spec.label} on a {shortest}-token {benchmark.name} sample (budget_unit={budget_unit})"
         try:
             fit_protected(kept, method.n_sink, method.n_recent, what)  # shorter windows, or no entry at all

@@ -182,8 +182,9 @@ class RunConfig:
         return json.loads(json.dumps(identity, default=str))  # plain values, as read back from YAML
 
     def method_fields(self) -> dict[str, dict[str, Any]]:
-        """Per variant, what decides its numbers beyond its parameters (`Method.identity_fields`, e.g.
-        the outlier-head file CentroidKV reads, with its content hash): in the identity and every record."""
+        """Per variant, what decides its numbers beyond its parameters (`identity_fields` of the method
+        and its wrappers, e.g. the outlier-head file CentroidKV's head policy reads, with its content
+        hash): in the identity and every record."""
         from centroidkv import get_method
 
         specs = {spec.variant: spec for spec in self.methods}

@@ -217,11 +217,11 @@ def checked_request(args: argparse.Namespace) -> Request:
         raise ValueError("several --question need --context and the context_only protocol")
     if not context.strip():
         raise ValueError("the context is empty")
-    from centroidkv.calibrate import check_calibrated
+    from centroidkv.head_policy import HeadPolicy
     from centroidkv.methods import parse_method
 
     for method in methods:  # a missing head calibration: before the model is installed or converted
-        check_calibrated(parse_method(method), args.model)
+        HeadPolicy.of(parse_method(method)).check_calibrated(args.model)
     import centroidkv.models as models  # as models.<name>, so that tests can stand in for the loaders
 
     positions = models.max_positions(args.model)

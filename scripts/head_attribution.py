@@ -26,7 +26,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from centroidkv.heads import HEAD_POLICIES  # noqa: E402
+from centroidkv.head_policy import HEAD_POLICIES  # noqa: E402
 from scripts.ranking import bootstrap, p_above, resolved_words  # noqa: E402
 from scripts.table_files import write_text  # noqa: E402
 from scripts.table_text import markdown_block  # noqa: E402

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import centroidkv.models
-from centroidkv.calibrate import CalibrationMissing, check_calibrated
-from centroidkv.methods import get_method
+from centroidkv.calibrate import CalibrationMissing
+from centroidkv.methods import HeadPolicy, get_method
 from scripts.generate import main
 
 
@@ -33,6 +33,11 @@ def test_a_missing_calibration_is_refused_before_the_model_is_installed(empty_ca
     assert "no clustering head calibration for 'qwen2.5-0.5b'" in lines[0]
     assert "python -m eval.calibrate --model qwen2.5-0.5b --score clustering" in lines[0]
     assert "minutes, depending on the machine" in lines[0]
+
+
+def check_calibrated(method, model_name: str) -> None:
+    """What scripts/generate.py asks of each method before the model is installed."""
+    HeadPolicy.of(method).check_calibrated(model_name)
 
 
 def test_only_what_needs_a_file_is_refused(empty_cache):

@@ -1,4 +1,4 @@
-"""Head policies for every native method (`centroidkv.heads`): heads=whole and heads=budget through a
+"""Head policies for every native method (`centroidkv.head_policy`): heads=whole and heads=budget through a
 prefill, re-compressions and batched forks, at the budget's bytes; DuoAttention's streaming heads."""
 
 import json
@@ -90,7 +90,7 @@ def test_every_native_method_runs_each_policy_at_the_budget_s_bytes(tiny_model, 
     if policy == "whole":  # every token seen, never compressed
         assert listed.keys.shape[2] == seen
     else:
-        assert listed.length <= listed.budget_len + method.compress_interval - 1
+        assert listed.length <= layer.plan(listed.role).budget_len + method.compress_interval - 1
         assert listed.n_compressions >= 1
     # every stored tensor is counted, and what decoding adds stays within the g-token slack per head
     heads = len(layer.head_lengths())
@@ -186,7 +186,7 @@ def test_a_layer_whose_every_head_is_listed_still_decodes(tiny_model, tmp_path, 
         )
     )
     method = build(name, policy, str(path))
-    method = method.__class__(**{**method.params(), "heads_fraction": 0.5})
+    method = get_method(name, **{**method.params(), "heads_fraction": 0.5})
     with torch.inference_mode():
         prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=needs_of([method]))
         fork = start_fork(tiny_model, prefilled, method, 0.75, NEW_TOKENS)  # half the heads whole
