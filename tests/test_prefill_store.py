@@ -1,14 +1,16 @@
 """Prefills paid once (issue 50, item 2): a prefill kept in the store reads back bit for bit, forks to
 the same answers, is keyed by everything that decides it, stays under its limit, is computed again
-when its file is torn."""
+when its file is torn, and a job run twice with the store gives the same records without a forward."""
 
 from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from test_harness import run_cfg
 
 import centroidkv.prefill_store
 from centroidkv import get_method
@@ -16,11 +18,15 @@ from centroidkv.decoding import generate_from, needs_of, prefill
 from centroidkv.needs import Need
 from centroidkv.plan import Prompt, Run, run
 from centroidkv.prefill_store import PrefillStore, stored_prefill
+from eval.records import read_records
+from eval.runner import config_yaml_of, run_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FORKED = ("snapkv", "h2o", "centroidkv")
 MAX_NEW = 6
+# record fields that time this run (or name its job and machine): the others must not change
+TIMED = {"ttft", "tpot", "compress_s", "feed_s", "decode_s", "peak_mem", "peak_mem_kind", "load_1min", "job"}
 
 
 def prompt_ids(n_tokens: int = 300, shift: int = 0) -> torch.Tensor:
@@ -175,3 +181,70 @@ def test_a_tap_gets_a_forward_of_its_own_when_the_natives_are_stored(tmp_path):
         assert first.generation.tokens == second.generation.tokens
     assert outcomes[1][0].fields.get("prefill_stored") is True
     assert "prefill_stored" not in outcomes[1][1].fields and "prefill_stored" not in outcomes[0][0].fields
+
+
+def test_a_job_run_twice_reads_its_prefills_and_writes_the_same_records(tmp_path, monkeypatch, capsys):
+    forwards = []
+
+    def counted(*args, **kwargs):
+        forwards.append(args[1].shape[-1])
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(centroidkv.prefill_store, "prefill", counted)
+    overrides = [
+        "methods=[full,snapkv,h2o,centroidkv]",
+        "budgets=[0.25]",
+        "benchmark.n_samples=2",
+        "benchmark.max_new_tokens=4",
+        f"prefill_store.dir={tmp_path / 'store'}",
+        "prefill_store.max_gb=1",
+    ]
+    runs = []
+    for results in ("first", "second"):
+        cfg, raw = run_cfg(tmp_path / results, overrides)
+        run_job(cfg, config_yaml_of(cfg, raw))
+        runs.append(read_records(cfg.job_dir / "records.jsonl")[0])
+    assert len(forwards) == 2  # the first job's two samples; the second ran no prompt's forward
+    first, second = runs
+    assert len(first) == len(second) == 8
+    for fresh, again in zip(first, second, strict=True):
+        assert again.pop("prefill_stored") is True and "prefill_stored" not in fresh
+        assert fresh["status"] == "ok"
+        assert {k: v for k, v in again.items() if k not in TIMED} == {
+            k: v for k, v in fresh.items() if k not in TIMED
+        }
+    out = capsys.readouterr().out
+    assert "[prefill store] 0 read, 2 computed" in out and "[prefill store] 2 read, 0 computed" in out
+
+
+def test_the_store_is_off_by_default_and_not_in_the_identity(tmp_path, own_cache):
+    cfg, _ = run_cfg(tmp_path, ["benchmark.n_samples=1", "benchmark.max_new_tokens=2"])
+    stored_cfg, _ = run_cfg(tmp_path, ["benchmark.n_samples=1", "prefill_store.max_gb=2"])
+    assert cfg.prefill_store.max_gb == 0 and stored_cfg.prefill_store.max_gb == 2
+    assert stored_cfg.identity() == run_cfg(tmp_path, ["benchmark.n_samples=1"])[0].identity()
+    run_job(cfg, config_yaml_of(cfg, None))
+    assert not (own_cache / "prefills").exists()
+    assert all("prefill_stored" not in record for record in read_records(cfg.job_dir / "records.jsonl")[0])
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("prefill_store.max_gb=-1", "prefill_store.max_gb: must be a number of gigabytes >= 0"),
+        ("prefill_store.max_gb=lots", "prefill_store.max_gb: must be a number"),
+        ("+prefill_store.size=3", "prefill_store.size: unknown key"),
+    ],
+)
+def test_a_bad_store_setting_is_one_line(tmp_path, override, fragment):
+    from test_harness import config_error_line
+
+    assert fragment in config_error_line(tmp_path, [override])
+
+
+def test_the_long_study_keeps_its_prefills():
+    from test_harness import composed
+
+    for experiment in ("long_study_8k", "long_study_16k", "long_study_32k", "long_study_dev"):
+        assert composed([f"experiment={experiment}"]).prefill_store.max_gb > 0, experiment
+    assert composed([]).prefill_store.max_gb == 0
+    assert Path(centroidkv.prefill_store.default_folder()).name == "prefills"
