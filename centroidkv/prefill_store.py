@@ -170,13 +170,21 @@ class PrefillStore:
 
     def files(self) -> list[Path]:
         """The stored prefills, oldest use first."""
-        if not self.folder.is_dir():
-            return []
-        found = [(path.stat().st_mtime_ns, path) for path in self.folder.glob(f"*{SUFFIX}")]
-        return [path for _, path in sorted(found)]
+        return [path for _, path in sorted((status.st_mtime_ns, path) for path, status in self._stats())]
 
     def stored_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.files())
+        return sum(status.st_size for _, status in self._stats())
+
+    def _stats(self, pattern: str = f"*{SUFFIX}") -> list[tuple[Path, os.stat_result]]:
+        """The files of the folder matching `pattern` and their status; one that another job (a worker)
+        removes meanwhile is left out."""
+        found = []
+        for path in self.folder.glob(pattern) if self.folder.is_dir() else []:
+            try:
+                found.append((path, path.stat()))
+            except FileNotFoundError:
+                continue
+        return found
 
     def read(self, model: nn.Module, key: StoreKey, max_new_tokens: int) -> Prefill | None:
         """The stored prefill of `key` (a file recording the same or more needs), None when there is
@@ -187,6 +195,8 @@ class PrefillStore:
                 payload = torch.load(path, map_location=next(model.parameters()).device, weights_only=True)
                 file_key = replace(key, needs=tuple(sorted(recorded.items())))
                 loaded = _prefill_of(model, payload, file_key, dict(key.needs), max_new_tokens)
+            except (MemoryError, torch.cuda.OutOfMemoryError):
+                raise  # the file may be sound: a prefill would not fit either
             except Exception as error:  # a torn, corrupt or foreign file: computed again
                 print(
                     f"[prefill store] warning: {path}: {first_line(error)}; computing it again",
@@ -194,17 +204,20 @@ class PrefillStore:
                 )
                 path.unlink(missing_ok=True)
                 continue
-            os.utime(path)  # used now: the last to go
+            try:
+                os.utime(path)  # used now: the last to go
+            except FileNotFoundError:  # removed by another job's eviction meanwhile: read all the same
+                pass
             return loaded
         return None
 
     def _candidates(self, key: StoreKey) -> list[tuple[Path, dict[str, int]]]:
         """Files of `key`'s digest whose needs cover `key`'s, the smallest first."""
         found = []
-        for path in self.folder.glob(f"{key.digest}.*{SUFFIX}") if self.folder.is_dir() else []:
+        for path, status in self._stats(f"{key.digest}.*{SUFFIX}"):
             recorded = parse_label(path.name[len(key.digest) + 1 : -len(SUFFIX)])
             if recorded is not None and covers(recorded, dict(key.needs)):
-                found.append((path.stat().st_size, path.name, path, recorded))
+                found.append((status.st_size, path.name, path, recorded))
         return [(path, recorded) for _, _, path, recorded in sorted(found)]
 
     def write(self, key: StoreKey, prefilled: Prefill) -> None:
@@ -233,20 +246,18 @@ class PrefillStore:
 
     def _evict(self) -> None:
         """Remove the least recently used files until the store holds at most `max_bytes`."""
-        files = self.files()
-        total = sum(path.stat().st_size for path in files)
-        for path in files:
+        by_use = sorted(self._stats(), key=lambda found: found[1].st_mtime_ns)
+        total = sum(status.st_size for _, status in by_use)
+        for path, status in by_use:
             if total <= self.max_bytes:
                 break
-            total -= path.stat().st_size
+            total -= status.st_size
             path.unlink(missing_ok=True)
 
     def _remove_stale_temporaries(self) -> None:
         """A killed job's temporary file (never renamed into place) goes once it is old."""
-        if not self.folder.is_dir():
-            return
-        for path in self.folder.glob(f".*{SUFFIX}.tmp"):
-            if time.time() - path.stat().st_mtime > STALE_TEMPORARY_S:
+        for path, status in self._stats(f".*{SUFFIX}.tmp"):
+            if time.time() - status.st_mtime > STALE_TEMPORARY_S:
                 path.unlink(missing_ok=True)
 
     def summary(self) -> str:

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_harness import run_cfg
+from test_hybrid_attention import tiny_gemma3, tiny_qwen2
 
 import centroidkv.prefill_store
-from centroidkv import get_method
+from centroidkv import get_method, prepare_model
 from centroidkv.decoding import generate_from, needs_of, prefill
 from centroidkv.needs import Need
 from centroidkv.plan import Prompt, Run, run
 from centroidkv.prefill_store import PrefillStore, stored_prefill
+from centroidkv.window_layer import WindowLayer
 from eval.records import read_records
 from eval.runner import config_yaml_of, run_job
 
@@ -80,6 +82,20 @@ def test_a_stored_prefill_reads_back_bit_for_bit_and_forks_alike(tiny_model, tmp
         assert again.n_compressions == fresh.n_compressions > 0, name
         for field in ("kv_bytes", "kv_budget_ratio", "kv_allocated_ratio", "kv_len"):
             assert again.measured[field] == fresh.measured[field], (name, field)
+
+
+@pytest.mark.parametrize("factory", [tiny_gemma3, tiny_qwen2], ids=["gemma3", "qwen2"])
+def test_a_hybrid_models_window_layers_read_back_bit_for_bit(factory, tmp_path):
+    """Window layers keep their last W - 1 entries in a buffer of W: read back with that storage."""
+    torch.manual_seed(0)
+    model = prepare_model(factory().eval())
+    store, ids = PrefillStore(tmp_path, 10**9), prompt_ids() % 200 + 20
+    computed = stored_prefill(store, model, ids, MAX_NEW, job_needs())
+    assert any(isinstance(layer, WindowLayer) for layer in computed.cache.layers)
+    stored = stored_prefill(store, model, ids, MAX_NEW, job_needs())
+    assert_same_prefill(computed, stored)
+    fork = (get_method("snapkv"), 0.25, MAX_NEW, set(), None, "entries")  # bytes: the windows take 0.25
+    assert generate_from(model, stored, *fork).tokens == generate_from(model, computed, *fork).tokens
 
 
 def test_a_prefill_that_recorded_more_serves_a_prompt_that_asks_less(tmp_path):
