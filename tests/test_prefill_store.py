@@ -264,3 +264,14 @@ def test_the_long_study_keeps_its_prefills():
         assert composed([f"experiment={experiment}"]).prefill_store.max_gb > 0, experiment
     assert composed([]).prefill_store.max_gb == 0
     assert Path(centroidkv.prefill_store.default_folder()).name == "prefills"
+
+
+def test_the_store_settings_do_not_rename_a_job(tmp_path):
+    """A job run with and without the store is one job (its folder name hashes the overrides)."""
+    from eval.sweep import plan
+
+    base = ["model=tiny-llama", "benchmark=toy", "logger=none", f"results_dir={tmp_path}"]
+    store = ["prefill_store.max_gb=2", f"prefill_store.dir={tmp_path / 'store'}"]
+    plain, stored = plan(base)[0], plan([*base, *store])[0]
+    assert stored.prefill_store.max_gb == 2 and plain.prefill_store.max_gb == 0
+    assert stored.job_dir == plain.job_dir
