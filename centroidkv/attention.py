@@ -293,14 +293,29 @@ def _bind_cache_layer(
     # transformers 5.2 passes the cache as `past_key_values`; later versions may name it differently.
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if isinstance(cache, CompressedCache) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
-        cache.n_layers = module.config.num_hidden_layers
-        cache.rotary, cache.model_ref, cache.sliding_windows = rotary, model_ref, windows
-        cache.query_group = module.config.num_attention_heads // module.config.num_key_value_heads
+        _tell_cache(cache, module.config, model_ref, rotary, windows)
         module.kv_layer = cache.layer(module.layer_idx)
     elif isinstance(cache, ForkBatch) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         module.kv_layer = cache.layers[module.layer_idx]  # its forks were bound when they were prefilled
     else:
         module.kv_layer = None
+
+
+def _tell_cache(
+    cache: CompressedCache, config, model_ref: weakref.ref, rotary: list | None, windows: dict[int, int]
+) -> None:
+    """What a cache reads about its model (`CompressedCache.take_model_from` copies it to another)."""
+    cache.n_layers = config.num_hidden_layers
+    cache.rotary, cache.model_ref, cache.sliding_windows = rotary, model_ref, windows
+    cache.query_group = config.num_attention_heads // config.num_key_value_heads
+
+
+def bind_model(cache: CompressedCache, model: PreTrainedModel) -> None:
+    """Tell `cache` about a prepared `model` as its first attention call would: for a cache built
+    without a forward of that model (a prefill read back from disk, `centroidkv.prefill_store`)."""
+    config = attention_modules(model)[0].config  # a multimodal model's text configuration
+    rotary = layer_rotaries(model, config.num_hidden_layers, getattr(config, "layer_types", None))
+    _tell_cache(cache, config, weakref.ref(model), rotary, sliding_windows(config))
 
 
 def _unbind_cache_layer(module: nn.Module, args: tuple, kwargs: dict, output) -> None:

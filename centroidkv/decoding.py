@@ -38,6 +38,7 @@ class Prefill:
     first_token: Tensor  # [B, 1], argmax after the prompt
     seconds: float  # the forward, without the taps' compressions
     tapped: dict[Hashable, Tapped] = field(default_factory=dict)  # what each tap compressed
+    stored: bool = False  # read back from a prefill store (`centroidkv.prefill_store`), not computed
 
 
 @dataclass

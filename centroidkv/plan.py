@@ -48,6 +48,7 @@ from centroidkv.measurements import COMPRESSED, RunState, measure
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS
 from centroidkv.prefill_compressor import PrefillRun, compresses_in_prefill
+from centroidkv.prefill_store import PrefillStore, stored_prefill
 from centroidkv.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, check_decode_batch
 from centroidkv.timing import Timer
 
@@ -120,13 +121,15 @@ def run(
     share_prefill: bool = True,
     decode_batch: int = DEFAULT_DECODE_BATCH,
     on_outcome: Callable[[int, Outcome], None] | None = None,
+    prefill_store: PrefillStore | None = None,
 ) -> list[Outcome]:
     """Every run of `runs` on `prompt`, greedy, `max_new_tokens` at most, one `Outcome` per run and
     question (see the module's docstring): outcome `i * prompt.n_questions + q` is run i's answer to
     question q, so with one question outcome i is run i's. A failing prefill raises (every run of the
     prompt fails with it); a failing run keeps its error in its outcomes and the others go on.
     `on_outcome(k, outcome)` is called as soon as outcome k is final (e.g. to print each answer when
-    it is ready). ValueError for follow-up questions under the full-prompt protocol."""
+    it is ready); `prefill_store` keeps the natives' prefills (`centroidkv.prefill_store`). ValueError for
+    follow-up questions under the full-prompt protocol."""
     check_decode_batch(decode_batch)
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
@@ -135,7 +138,7 @@ def run(
             "a method that compresses inside its prefill needs the prompt's context (Prompt.context)"
         )
     eos = default_eos(model) if eos_token_ids is None else eos_token_ids
-    shared = _Shared(model, prompt, max_new_tokens, eos, budget_unit)
+    shared = _Shared(model, prompt, max_new_tokens, eos, budget_unit, prefill_store)
     in_prefill = {
         i: r.method.prefill_run(model, r.budget, len(prompt.context), max_new_tokens, share_prefill)
         for i, r in enumerate(runs)
@@ -176,6 +179,7 @@ class _Shared:
     max_new_tokens: int
     eos: set[int]
     budget_unit: str | None
+    prefill_store: PrefillStore | None = None
 
     @property
     def device(self) -> torch.device:
@@ -189,8 +193,8 @@ class _Shared:
 def _prefills(
     shared: _Shared, native_methods: list[Method], taps: dict[int, PrefillRun]
 ) -> tuple[Prefill | None, Prefill | None]:
-    """The shared prefill of the native runs and the one the taps compress in: one forward for both
-    when they prefill the same tokens and nothing the natives record changes the attention."""
+    """The natives' shared prefill (read from the prefill store when there) and the taps': one forward
+    for both when they prefill the same tokens and nothing the natives record changes the attention."""
     model, prompt, max_new_tokens = shared.model, shared.prompt, shared.max_new_tokens
     native_needs = needs_of(native_methods)
     one_pass = bool(
@@ -201,19 +205,14 @@ def _prefills(
     )
     native_prefill = tapped_prefill = None
     if native_methods:
-        native_prefill = prefill(
-            model,
-            shared.ids(prompt.prefilled),
-            max_new_tokens,
-            needs=native_needs,
-            taps=taps if one_pass else None,
+        ids, tapping = shared.ids(prompt.prefilled), taps if one_pass else None
+        native_prefill = stored_prefill(
+            shared.prefill_store, model, ids, max_new_tokens, native_needs, tapping
         )
-    if taps:
-        tapped_prefill = (
-            native_prefill
-            if one_pass
-            else prefill(model, shared.ids(prompt.context), max_new_tokens, taps=taps)
-        )
+    if taps:  # a stored prefill holds no tap's fork: the taps then get a forward of their own
+        reused = one_pass and not native_prefill.stored
+        context = shared.ids(prompt.context)
+        tapped_prefill = native_prefill if reused else prefill(model, context, max_new_tokens, taps=taps)
     return native_prefill, tapped_prefill
 
 
@@ -301,9 +300,10 @@ class _Plan:
         run, prompt = self.runs[i], self.shared.prompt
         once = prompt.n_questions == 1
         source = native_prefill if once else _CompressedOnce(native_prefill, run, self.shared)
+        stored = {"prefill_stored": True} if native_prefill.stored else {}  # only where it is
         for k in self.keys(i):
             outcome = self.outcomes[k]
-            outcome.fields = {"prefill_shared": True}
+            outcome.fields = {"prefill_shared": True, **stored}
             self.starts[k] = _ForkStart(source, run.method, run.budget, prompt.fed_ids(outcome.question))
 
     def add_taps(self, taps: dict[int, PrefillRun], tapped_prefill: Prefill | None) -> Iterator[int]:

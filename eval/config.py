@@ -34,14 +34,14 @@ from centroidkv.params import did_you_mean
 from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
-from eval.run_config import ConfigError, LoggerConfig, MethodSpec, ModelConfig, RunConfig
+from eval.run_config import ConfigError, LoggerConfig, MethodSpec, ModelConfig, PrefillStoreConfig, RunConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # The keys a composed config may hold (Hydra's `+key=value` can add any other: those are errors).
 ROOT_KEYS = ("model", "method", "methods", "budgets", "budget_unit", "benchmark", "logger", "experiment_name",
              "results_dir", "retry_failed", "warmup", "overwrite", "share_prefill", "decode_batch", "workers",
-             "kv_precision")  # fmt: skip
+             "kv_precision", "prefill_store")  # fmt: skip
 MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
 METHOD_KEYS = ("name", "budget", "params")  # a method's node: its name, R and its parameters
 LOGGER_KEYS = tuple(f.name for f in fields(LoggerConfig))
@@ -281,7 +281,7 @@ def _experiment_name_errors(experiment: Any) -> list[str]:
 
 
 def _run_option_errors(raw: dict[str, Any]) -> list[str]:
-    """The run's switches are booleans; decode_batch and budget_unit pass their own checks."""
+    """The run's switches are booleans; decode_batch, budget_unit and prefill_store pass their own checks."""
     errors = [
         f"{key}: must be true or false, got {raw.get(key)!r}"
         for key in ("retry_failed", "warmup", "overwrite", "share_prefill")
@@ -299,7 +299,7 @@ def _run_option_errors(raw: dict[str, Any]) -> list[str]:
             check(value)
         except ValueError as error:
             errors.append(str(error))
-    return errors
+    return errors + PrefillStoreConfig.parse(raw.get("prefill_store"))[1]
 
 
 def build_run_config(
@@ -313,7 +313,6 @@ def build_run_config(
     read, errors = _first_pass(raw, schema)
     if errors:
         raise ConfigError(errors)
-
     from centroidkv import get_method
     from centroidkv.methods import method_variant
 
@@ -361,6 +360,7 @@ def build_run_config(
         share_prefill=bool(raw.get("share_prefill", True)),
         decode_batch=read.decode_batch,
         workers=int(raw.get("workers", 1)),
+        prefill_store=PrefillStoreConfig.parse(raw.get("prefill_store"))[0],
     )
 
 

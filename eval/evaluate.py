@@ -21,6 +21,7 @@ from centroidkv.decoding import eos_token_ids
 from centroidkv.errors import first_line
 from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
 from centroidkv.prefill_compressor import compresses_in_prefill
+from centroidkv.prefill_store import PrefillStore, open_store
 from eval.benchmarks import Benchmark, Sample
 from eval.run_config import MethodSpec, RunConfig
 from eval.samples import sample_id, sample_prompt
@@ -38,8 +39,10 @@ class Evaluator:
         budget_unit: str = DEFAULT_BUDGET_UNIT,
         share_prefill: bool = True,
         decode_batch: int = DEFAULT_DECODE_BATCH,
+        prefill_store: PrefillStore | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
+        self.prefill_store = prefill_store  # the samples' native prefills, kept for later jobs
         self.budget_unit = budget_unit
         self.share_prefill = share_prefill
         self.decode_batch = decode_batch
@@ -54,10 +57,18 @@ class Evaluator:
 
     @classmethod
     def of_job(cls, cfg: RunConfig, model, tokenizer) -> Evaluator:
-        """The evaluator of a job's config (its methods, benchmark, budget unit, prefill sharing and
-        decode batch)."""
+        """The evaluator of a job's config (its methods, benchmark, budget unit, prefill sharing, decode
+        batch and prefill store)."""
+        store = open_store(cfg.prefill_store.max_gb, cfg.prefill_store.dir)
         return cls(
-            model, tokenizer, cfg.methods, cfg.benchmark, cfg.budget_unit, cfg.share_prefill, cfg.decode_batch
+            model,
+            tokenizer,
+            cfg.methods,
+            cfg.benchmark,
+            cfg.budget_unit,
+            cfg.share_prefill,
+            cfg.decode_batch,
+            store,
         )
 
     def prompt(self, sample: Sample, specs: list[MethodSpec] | None = None) -> Prompt:
@@ -76,11 +87,13 @@ class Evaluator:
         samples' own runs record it."""
         head = list(range(10, 10 + 200))
         one_per_variant = list({spec.variant: spec for spec in self.specs}.values())
-        self.run_prompt(Prompt(head, [], head, []), one_per_variant, 4, self.eos)
+        self.run_prompt(Prompt(head, [], head, []), one_per_variant, 4, self.eos, stored=False)
 
     def run_prompt(
-        self, prompt: Prompt, specs: list[MethodSpec], max_new_tokens: int, eos: set[int]
+        self, prompt: Prompt, specs: list[MethodSpec], max_new_tokens: int, eos: set[int], stored: bool = True
     ) -> list[Outcome]:
+        """Every run of `specs` on `prompt` (`centroidkv.plan.run`); `stored`: through the prefill store
+        when the job has one (the warm-up's prompt is not kept)."""
         runs = [Run(self.methods[spec], spec.budget) for spec in specs]
         return run(
             self.model,
@@ -91,6 +104,7 @@ class Evaluator:
             self.budget_unit,
             share_prefill=self.share_prefill,
             decode_batch=self.decode_batch,
+            prefill_store=self.prefill_store if stored else None,
         )
 
     def run_sample(

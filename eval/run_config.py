@@ -138,6 +138,44 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class PrefillStoreConfig:
+    """Where the native prefills are kept for later jobs on the same model and prompts
+    (`centroidkv.prefill_store`): at most `max_gb` gigabytes (0: no store, the default) in `dir`
+    (None: `<cache dir>/prefills`). Not in the job's identity: it changes no record but
+    `prefill_stored`."""
+
+    max_gb: float = 0.0
+    dir: str | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> tuple[PrefillStoreConfig, list[str]]:
+        """The `prefill_store` node (null: no store), and one line per bad value."""
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            return cls(), [f"prefill_store: must be a mapping {{max_gb, dir}} or null, got {raw!r}"]
+        errors = [
+            f"prefill_store.{key}: unknown key; prefill_store holds max_gb, dir"
+            for key in raw
+            if key not in PREFILL_STORE_KEYS
+        ]
+        max_gb, folder = raw.get("max_gb", 0.0), raw.get("dir")
+        if isinstance(max_gb, bool) or not isinstance(max_gb, (int, float)) or not 0 <= max_gb < float("inf"):
+            errors.append(
+                f"prefill_store.max_gb: must be a number of gigabytes >= 0 (0: off), got {max_gb!r}"
+            )
+            max_gb = 0.0
+        if folder is not None and (not isinstance(folder, str) or not folder):
+            errors.append(
+                f"prefill_store.dir: must be a folder or null (the cache dir's prefills), got {folder!r}"
+            )
+            folder = None
+        return cls(float(max_gb), folder), errors
+
+
+PREFILL_STORE_KEYS = ("max_gb", "dir")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     experiment: str
     job: str
@@ -153,6 +191,7 @@ class RunConfig:
     share_prefill: bool = True  # kvpress presses compress forks of one shared prefill (eval.evaluate)
     decode_batch: int = DEFAULT_DECODE_BATCH  # forks decoded together at most; 1: each alone, with TPOT
     workers: int = 1  # processes the samples are spread over (eval.workers); not in the identity
+    prefill_store: PrefillStoreConfig = PrefillStoreConfig()  # not in the identity
     overrides: tuple[str, ...] = ()  # the command line's overrides that name the job (`named_job`)
 
     def identity(self) -> dict[str, Any]:

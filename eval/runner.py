@@ -148,6 +148,8 @@ def _run_locked(cfg: RunConfig, config_yaml: str, store: JobStore) -> dict[str, 
         records[record_key(record)] = record
 
     _run_samples(cfg, evaluator, samples, done, keep, records)
+    if evaluator.prefill_store is not None and cfg.workers == 1:  # each worker says its own
+        print(evaluator.prefill_store.summary())
     summary = summarize(list(records.values()), store.n_dropped)
     summary["wall_s"] = time.perf_counter() - started
     logger.finish(summary, list(records.values()))

@@ -93,6 +93,8 @@ def _work(cfg: RunConfig, share: list[tuple[dict[str, Any], list[MethodSpec]]], 
             ):
                 messages.put(("record", record))
             messages.put((SAMPLE_DONE, None))
+        if evaluator.prefill_store is not None:
+            print(evaluator.prefill_store.summary(), flush=True)
         messages.put((WORKER_DONE, None))
     except BaseException as error:  # to the parent, which stops the job with it
         messages.put((FAILED, first_line(error, with_type=True)))

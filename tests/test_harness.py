@@ -278,6 +278,7 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     import torch
 
     import centroidkv.plan
+    import centroidkv.prefill_store
     from centroidkv.cache import CompressedCache
     from centroidkv.decoding import prefill
     from eval.runner import config_yaml_of, run_job
@@ -303,6 +304,7 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
         return twin
 
     monkeypatch.setattr(centroidkv.plan, "prefill", spy_prefill)
+    monkeypatch.setattr(centroidkv.prefill_store, "prefill", spy_prefill)  # the natives' prefill
     monkeypatch.setattr(centroidkv.plan, "start_fork", spy_start)
     monkeypatch.setattr(CompressedCache, "fork", spy_fork)
     overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
