@@ -58,6 +58,7 @@ def test_freed_blocks_let_more_requests_run_with_the_same_tokens(unlimited):
     assert all(len(t) == NEW for t in small["tokens"])
 
 
+@pytest.mark.slow  # the control: `make serve-test` runs it, `make test` keeps under 10 minutes without it
 @needs_model
 def test_without_its_scheduler_the_plugin_frees_nothing(unlimited):
     """The control: the same backend and layout with vLLM's own scheduler keeps every block, so no

@@ -191,6 +191,7 @@ def test_profile_refuses_a_window_its_requests_would_not_last(capsys):
         assert "--max-tokens > --warm-steps + --steps" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # minutes of engine time; the C++ loop keeps its fast check (test_compiled_checks.py)
 @needs_model
 def test_profile_finds_the_plugins_attention_in_its_decode_steps():
     """A small profile of the own-attention setting: its decode steps run the plugin's C++ loop."""
