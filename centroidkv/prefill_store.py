@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import transformers
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from centroidkv.attention import bind_model
 from centroidkv.cache import CompressedCache, CompressedLayer
@@ -238,10 +239,9 @@ class PrefillStore:
         self.written_bytes += size
         self._evict()
         kept = "" if path.exists() else ", more than the limit: not kept"
-        print(
+        tqdm.write(  # above the job's progress bar, not on its line
             f"[prefill store] wrote {in_units(size)} for a {key.n_tokens}-token prompt{kept} "
-            f"(store: {in_units(self.stored_bytes())} of {in_units(self.max_bytes)})",
-            flush=True,
+            f"(store: {in_units(self.stored_bytes())} of {in_units(self.max_bytes)})"
         )
 
     def _evict(self) -> None:
