@@ -1,7 +1,9 @@
 """The plugin's settings, read from vLLM's `additional_config["centroidkv"]`, and what it refuses.
 
 Budgets follow the harness (`centroidkv.budget`, in entries): each request keeps B = R * (n + Gamma)
-entries per layer and KV head, n its prompt length and Gamma `max_new_tokens`; it is compressed to B
+entries per layer and KV head, n its prompt length and Gamma `max_new_tokens` (with `heads="whole"`
+the calibrated heads keep every token and B is solved in bytes over both parts, as the harness's
+default CentroidKV does: `centroidkv_vllm.heads`); it is compressed to B
 once the whole prompt is in (when n > B) and again whenever it has grown to B + g (g =
 `compress_interval`). The first `n_sink` and last `n_recent` entries are never merged.
 """

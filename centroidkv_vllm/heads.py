@@ -184,7 +184,3 @@ class SideStore:
     def read(self, layer: int) -> tuple[Tensor, Tensor]:
         keys, values, length = self.layers[layer]
         return keys[:, :length], values[:, :length]
-
-    def nbytes(self) -> int:
-        """Bytes allocated (headroom included)."""
-        return sum(t.numel() * t.element_size() for k, v, _ in self.layers.values() for t in (k, v))

@@ -15,6 +15,11 @@ block freed here and given to another request in the same step is written only a
 read. New blocks are then allocated for the request's
 logical length, minus the freed ones: a compressed request holds about (B + g) / block_size + 1
 blocks instead of (n + t) / block_size. Prefill still needs all of its prompt's blocks.
+
+With heads kept whole (`heads="whole"`, `centroidkv_vllm.heads`) B is solved per compression from the
+byte budget (the same `Plan` as the worker's), and a compressed request keeps, of the blocks before its
+kept start, as many as its side store's bytes take in the pool (`HeadLayout.reserved_blocks`), so
+that admission counts the pool blocks and the side store together.
 """
 
 from __future__ import annotations
@@ -57,7 +62,6 @@ class CentroidManager(FullAttentionManager):
         self.block_bytes = kv_cache_spec.block_bytes
         self.plans: dict[str, Plan] = {}
         self.freed_total = 0  # blocks returned to the pool before their request finished
-        self.reserved: dict[str, int] = {}  # blocks kept for each request's side store (heads kept whole)
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -81,16 +85,13 @@ class CentroidManager(FullAttentionManager):
             # bytes take at n + Gamma tokens (more if the request outgrows that), kept of those before
             # the kept start (never read by the worker); freed with the request
             tokens = max(processed_computed_tokens, plan.anchor + self.config.max_new_tokens)
-            reserve = self.layout.reserved_blocks(tokens, self.block_bytes)
-            self.reserved[request_id] = reserve
-            last = max(0, last - reserve)
+            last = max(0, last - self.layout.reserved_blocks(tokens, self.block_bytes))
         self._remove_blocks_in_range(request_id, 0, last)
         self.freed_total += sum(block.is_null for block in blocks) - before
 
     def pop_blocks_for_free(self, request_id: str) -> list:
         """The request finished or was preempted: a resumed one is prefilled and planned again."""
         self.plans.pop(request_id, None)
-        self.reserved.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
 
