@@ -58,6 +58,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-sink", type=int, default=CentroidConfig.n_sink)
     parser.add_argument("--n-recent", type=int, default=CentroidConfig.n_recent)
     parser.add_argument("--compress-interval", type=int, default=CentroidConfig.compress_interval)
+    parser.add_argument(
+        "--heads",
+        choices=("none", "whole"),
+        default=CentroidConfig.heads,
+        help="whole: the model's calibrated heads kept whole, budget in bytes over both parts",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument(
         "--own-attention", action="store_true", help="every decoding row through the plugin's attention"
@@ -76,6 +82,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     gen = sub.add_parser("generate", help="greedy tokens of the built-in prompts, as JSON")
     add_engine_args(gen)
     gen.add_argument("--long-chars", type=int, default=0, help="add a long prompt of this many characters")
+    gen.add_argument(
+        "--prompt-ids",
+        default=None,
+        help="a JSON file {'prompts': [{'ids': [...]}, ...]} whose token ids replace the built-in prompts",
+    )
     gen.add_argument("--json", action="store_true", help="one CENTROIDKV_RESULT JSON line, vLLM's log kept")
     gen.add_argument("--verbose", action="store_true", help="vLLM's log, with the texts")
     work = sub.add_parser("workload", help="document prompts stepped through the engine, as JSON")
@@ -122,19 +133,21 @@ def plugin_settings(args: argparse.Namespace) -> dict | None:
         "n_recent": args.n_recent,
         "compress_interval": args.compress_interval,
         "own_attention": args.own_attention,
+        "heads": args.heads,
     }
     CentroidConfig.from_dict(settings)
     return settings
 
 
-def llm_args(args: argparse.Namespace) -> dict:
+def llm_args(args: argparse.Namespace, longest_prompt: int = 0) -> dict:
     """`LLM(...)` arguments (`centroidkv_vllm.workload.engine_args`) from the command line."""
     from centroidkv_vllm.workload import engine_args
 
     settings = plugin_settings(args)
-    max_model_len = {"generate": 4096, "serve": getattr(args, "max_model_len", 0)}.get(
-        args.command, getattr(args, "prompt_tokens", 0) + args.max_tokens
-    )
+    max_model_len = {
+        "generate": max(4096, longest_prompt + args.max_tokens),
+        "serve": getattr(args, "max_model_len", 0),
+    }.get(args.command, getattr(args, "prompt_tokens", 0) + args.max_tokens)
     result = engine_args(args.model, settings, int(args.kv_mib * (1 << 20)), args.max_num_seqs, max_model_len)
     result["enable_prefix_caching"] = args.enable_prefix_caching
     result["dtype"] = args.dtype
@@ -145,13 +158,13 @@ def llm_args(args: argparse.Namespace) -> dict:
     return result
 
 
-def make_llm(args: argparse.Namespace):
+def make_llm(args: argparse.Namespace, longest_prompt: int = 0):
     """vLLM's `LLM` on one CPU core, bf16, eager; the plugin configured unless --stock."""
     if args.stock:
         os.environ["VLLM_PLUGINS"] = ""  # load no general plugin: vLLM's own CPU_ATTN
     from vllm import LLM
 
-    return LLM(**llm_args(args))
+    return LLM(**llm_args(args, longest_prompt))
 
 
 def engine_of(args: argparse.Namespace) -> dict:
@@ -167,8 +180,13 @@ def engine_of(args: argparse.Namespace) -> dict:
 def generate(args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
-    llm = make_llm(args)
-    prompts = list(SHORT_PROMPTS) + ([long_prompt(args.long_chars)] if args.long_chars else [])
+    if args.prompt_ids:
+        prompts = [
+            {"prompt_token_ids": p["ids"]} for p in json.loads(Path(args.prompt_ids).read_text())["prompts"]
+        ]
+    else:
+        prompts = list(SHORT_PROMPTS) + ([long_prompt(args.long_chars)] if args.long_chars else [])
+    llm = make_llm(args, max(len(p["prompt_token_ids"]) for p in prompts) if args.prompt_ids else 0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -207,6 +225,8 @@ def profile(args: argparse.Namespace) -> dict:
 def as_text(result: dict) -> str:
     """`generate`'s result for a reader: each prompt's generated text under a rule."""
     engine = "stock vLLM" if result["stock"] else f"CentroidKV at {result['budget']:g} of the KV"
+    if not result["stock"] and result["settings"].get("heads") == "whole":
+        engine += ", its heads kept whole"
     blocks = [
         f"--- prompt {index + 1} ({tokens} tokens), {engine}:\n{text.strip()}"
         for index, (tokens, text) in enumerate(zip(result["prompt_tokens"], result["texts"], strict=True))

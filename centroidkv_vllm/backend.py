@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 from vllm.config import VllmConfig
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -42,6 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from centroidkv_vllm import SCHEDULER_PATH
 from centroidkv_vllm.compiled import compiled, decode_attention
 from centroidkv_vllm.config import config_of, refusal
+from centroidkv_vllm.heads import HeadLayout, SideStore, head_layout
 from centroidkv_vllm.paged import DecodeBatch, degree_attention, read_entries, request_slots
 from centroidkv_vllm.tracker import CompressionStep, LayerCache, Tracker
 
@@ -59,6 +61,9 @@ class CentroidMetadata(CPUAttentionMetadata):
     merged: tuple[tuple[int, int, int], ...] = ()
     decoding: DecodeBatch | None = None
     compiled_attention: bool = True
+    # heads kept whole: the layout, and (batch index, side store) of each request that has one
+    layout: HeadLayout | None = None
+    stores: tuple[tuple[int, SideStore], ...] = ()
 
 
 class CentroidBuilder(CPUAttentionMetadataBuilder):
@@ -72,7 +77,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         if line:
             raise ValueError(line)
         scale = self.head_dim**-0.5
-        self.tracker = Tracker(self.config, self.block_size, scale)
+        self.layout = head_layout(self.config, vllm_config, kv_cache_spec.dtype)
+        self.tracker = Tracker(self.config, self.block_size, scale, self.layout)
         if self.config.compiled_attention:
             compiled()  # built (or found in torch's cache) now, not inside the first timed step
         logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
@@ -96,7 +102,10 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         query_lens = start[1:] - start[:-1]
         seq_lens = cm.seq_lens[:num_reqs].cpu()
         starts, due = self.tracker.step(seq_lens, query_lens, cm.is_prefilling, cm.block_table_tensor)
-        compression = CompressionStep(due, self.tracker.method, tuple(self.layer_names), self.tracker.scale)
+        listed = self.layout.listed if self.layout is not None else ()
+        compression = CompressionStep(
+            due, self.tracker.method, tuple(self.layer_names), self.tracker.scale, listed
+        )
         new_slots = cm.slot_mapping[: cm.num_actual_tokens]
         # CSM only merges, so a request with a kept start > 0 holds centroids in every layer
         own = self.config.own_attention
@@ -121,6 +130,8 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
             merged=others,
             decoding=decoding,
             compiled_attention=self.config.compiled_attention,
+            layout=self.layout,
+            stores=tuple((i, store) for i, store in enumerate(self.tracker.stores) if store is not None),
         )
 
 
@@ -131,6 +142,7 @@ class CentroidImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.layer_cache: LayerCache | None = None  # bound at the layer's first CentroidKV step
+        self.layer_index: int | None = None  # the model's layer index (heads kept whole)
 
     def _layer_cache(self, layer, kv_cache: Tensor) -> LayerCache:
         """This layer's cache and log-degrees (a new table when vLLM has bound another cache)."""
@@ -148,6 +160,44 @@ class CentroidImpl(CPUAttentionBackendImpl):
         self.do_kv_cache_update(layer, key[:n_tokens], value[:n_tokens], kv_cache, slot_mapping)
         if isinstance(attn_metadata, CentroidMetadata):
             self.layer_cache.log_degree.index_fill_(0, attn_metadata.new_slots, 0.0)
+            listed = self._listed(layer, attn_metadata)
+            for index, store in attn_metadata.stores if listed else ():  # their side stores grow
+                tokens = self._tokens(attn_metadata, index)
+                store.append(
+                    self.layer_index,
+                    key[tokens, listed].transpose(0, 1),
+                    value[tokens, listed].transpose(0, 1),
+                )
+
+    def _listed(self, layer, attn_metadata) -> list[int]:
+        """This layer's KV heads kept whole (none without a head layout)."""
+        if attn_metadata.layout is None:
+            return []
+        if self.layer_index is None:
+            self.layer_index = extract_layer_index(layer.layer_name)
+        return list(attn_metadata.layout.listed[self.layer_index])
+
+    @staticmethod
+    def _tokens(attn_metadata, index: int) -> slice:
+        """The step's tokens of request `index`."""
+        start = attn_metadata.query_start_loc
+        return slice(int(start[index]), int(start[index + 1]))
+
+    def _whole_heads(self, layer, query: Tensor, output: Tensor, attn_metadata) -> None:
+        """The output of the heads kept whole of every request that has a side store: plain attention
+        (every degree 1) over all its tokens there, replacing what was computed from the pool."""
+        listed = self._listed(layer, attn_metadata)
+        if not listed or not attn_metadata.stores:
+            return
+        group = query.shape[1] // attn_metadata.layout.n_kv_heads
+        query_heads = [h * group + j for h in listed for j in range(group)]
+        for index, store in attn_metadata.stores:
+            tokens = self._tokens(attn_metadata, index)
+            keys, values = store.read(self.layer_index)
+            zeros = keys.new_zeros(keys.shape[:2], dtype=torch.float32)
+            output[tokens, query_heads] = degree_attention(
+                query[tokens, query_heads], keys, values, zeros, self.scale
+            )
 
     def forward(
         self,
@@ -185,12 +235,11 @@ class CentroidImpl(CPUAttentionBackendImpl):
             )
         block_size = kv_cache.shape[2]
         for index, first, length in merged:
-            tokens = slice(
-                int(attn_metadata.query_start_loc[index]), int(attn_metadata.query_start_loc[index + 1])
-            )
+            tokens = self._tokens(attn_metadata, index)
             slots = request_slots(attn_metadata.block_table[index], first, length, block_size)
             keys, values = read_entries(kv_cache, slots)
             output[tokens] = degree_attention(query[tokens], keys, values, log_degree[slots].t(), self.scale)
+        self._whole_heads(layer, query, output, attn_metadata)
         return output
 
 

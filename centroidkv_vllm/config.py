@@ -1,7 +1,9 @@
 """The plugin's settings, read from vLLM's `additional_config["centroidkv"]`, and what it refuses.
 
 Budgets follow the harness (`centroidkv.budget`, in entries): each request keeps B = R * (n + Gamma)
-entries per layer and KV head, n its prompt length and Gamma `max_new_tokens`; it is compressed to B
+entries per layer and KV head, n its prompt length and Gamma `max_new_tokens` (with `heads="whole"`
+the calibrated heads keep every token and B is solved in bytes over both parts, as the harness's
+default CentroidKV does: `centroidkv_vllm.heads`); it is compressed to B
 once the whole prompt is in (when n > B) and again whenever it has grown to B + g (g =
 `compress_interval`). The first `n_sink` and last `n_recent` entries are never merged.
 """
@@ -40,6 +42,12 @@ class CentroidConfig:
     chunk_size: int = 256
     schedule: str = "adaptive"
     r_min: float = 0.1
+    # the head policy (centroidkv.head_policy): "none" compresses every KV head, budgets in entries;
+    # "whole" keeps the heads the head file lists whole (every token, in a per-request side store,
+    # centroidkv_vllm.heads) and solves the other heads' B from a byte budget over both parts
+    heads: str = param("none", choices=("none", "whole"))
+    heads_file: str = "clustering"  # a score of the model's calibration, or a head file's path
+    heads_fraction: float = param(0.04, minimum=0.0, maximum=1.0)  # the worst fraction listed
     # every decoding row through the plugin's float32 attention, not only those holding centroids:
     # a reference for benchmarks (at R = 1, the full cache through the plugin's own attention)
     own_attention: bool = False
@@ -50,11 +58,15 @@ class CentroidConfig:
     def rules(cls) -> dict[str, dict[str, Any]]:
         """Each setting's rule (`centroidkv.params`): the CentroidKV method's own for its parameters,
         the type of the default for the others (a bool is a bool, an int an int, never a string),
-        every count at most MAX_COUNT."""
+        every count at most MAX_COUNT; `heads` is the plugin's own (none or whole)."""
         from centroidkv.centroidkv import CentroidKV  # torch: at call time
 
         method_rules = CentroidKV.rules()
-        rules = {name: method_rules.get(name, rule) for name, rule in field_rules(cls).items()}
+        own = ("heads",)  # the plugin serves two of the head policies (no "budget")
+        rules = {
+            name: rule if name in own else method_rules.get(name, rule)
+            for name, rule in field_rules(cls).items()
+        }
         for rule in rules.values():
             if rule.get("type") == "int" and "maximum" not in rule:
                 rule["maximum"] = MAX_COUNT
@@ -81,8 +93,8 @@ class CentroidConfig:
         return config
 
     def method(self) -> MethodWrapper:
-        """The harness's CentroidKV with these settings (`get_method`, inside its wrappers): every head
-        compressed (heads=none) and similarity on the cached (post-RoPE) keys."""
+        """The harness's CentroidKV with these settings (`get_method`, inside its wrappers): the head
+        policy `heads` (none or whole) and similarity on the cached (post-RoPE) keys."""
         from centroidkv.methods import get_method  # torch: at call time
 
         return get_method(
@@ -91,11 +103,19 @@ class CentroidConfig:
             schedule=self.schedule,
             r_min=self.r_min,
             similarity="post_rope",
-            heads="none",
+            heads=self.heads,
+            heads_file=self.heads_file,
+            heads_fraction=self.heads_fraction,
             n_sink=self.n_sink,
             n_recent=self.n_recent,
             compress_interval=self.compress_interval,
         )
+
+    @property
+    def budget_unit(self) -> str:
+        """The harness's `budget_unit` this config runs: "bytes" over both parts with heads kept whole,
+        else "entries" (B = R (n + Gamma) for every head)."""
+        return "bytes" if self.heads == "whole" else "entries"
 
 
 def config_of(vllm_config: Any) -> CentroidConfig | None:

@@ -17,6 +17,7 @@ anything: both apply this rule to what they both see, the request's computed len
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from centroidkv.budget import budget_entries
@@ -24,26 +25,52 @@ from centroidkv.budget import budget_entries
 
 @dataclass(frozen=True)
 class Plan:
-    """A request's compression schedule from its anchor a, budget B and interval g."""
+    """A request's compression schedule from its anchor a, its budget B at the anchor and interval g.
+
+    `budget_at` (heads kept whole, budgets in bytes: `centroidkv_vllm.heads.HeadLayout.budget_at`)
+    gives B for a compression at computed length L: the heads kept whole grow while decoding, so the
+    harness solves B again at each compression (`CompressedCache.plan_budget`) and compresses again
+    once the compressed heads hold the last B + g entries, g tokens later. None: B is constant."""
 
     anchor: int
     budget: int
     interval: int
+    budget_at: Callable[[int], int] | None = None
 
     @classmethod
-    def at(cls, anchor: int, ratio: float, max_new_tokens: int, interval: int) -> Plan:
-        return cls(anchor, budget_entries(ratio, anchor, max_new_tokens), interval)
+    def at(
+        cls,
+        anchor: int,
+        ratio: float,
+        max_new_tokens: int,
+        interval: int,
+        budget_at: Callable[[int], int] | None = None,
+    ) -> Plan:
+        if budget_at is None:
+            return cls(anchor, budget_entries(ratio, anchor, max_new_tokens), interval)
+        return cls(anchor, budget_at(anchor), interval, budget_at)
+
+    def entries_at(self, computed: int) -> int:
+        """B of the compression at computed length `computed`."""
+        return self.budget if self.budget_at is None else self.budget_at(computed)
+
+    @property
+    def first(self) -> int:
+        """Computed length of the first compression: the anchor if it holds more than B, else once the
+        cache has grown to B + g."""
+        return self.anchor if self.anchor > self.budget else self.budget + self.interval
+
+    def last_compression(self, computed: int) -> int | None:
+        """Computed length of the last compression due at or before `computed` (None: none yet)."""
+        if computed < self.anchor or self.budget < 1 or computed < self.first:
+            return None
+        return self.first + (computed - self.first) // self.interval * self.interval
 
     def start(self, computed: int) -> int:
         """First logical position the request holds once the compression due at `computed` is done."""
-        if computed < self.anchor or self.budget < 1:
-            return 0
-        first_start = self.anchor - self.budget if self.anchor > self.budget else 0
-        second = first_start + self.budget + self.interval  # computed length of the next compression
-        if computed < second:
-            return first_start
-        return second + (computed - second) // self.interval * self.interval - self.budget
+        last = self.last_compression(computed)
+        return 0 if last is None else last - self.entries_at(last)
 
     def due(self, computed: int) -> bool:
         """Whether the step that finds `computed` entries in the cache compresses them first."""
-        return computed >= self.anchor and self.start(computed) > self.start(computed - 1)
+        return self.last_compression(computed) == computed

@@ -15,6 +15,11 @@ block freed here and given to another request in the same step is written only a
 read. New blocks are then allocated for the request's
 logical length, minus the freed ones: a compressed request holds about (B + g) / block_size + 1
 blocks instead of (n + t) / block_size. Prefill still needs all of its prompt's blocks.
+
+With heads kept whole (`heads="whole"`, `centroidkv_vllm.heads`) B is solved per compression from the
+byte budget (the same `Plan` as the worker's), and a compressed request keeps, of the blocks before its
+kept start, as many as its side store's bytes take in the pool (`HeadLayout.reserved_blocks`), so
+that admission counts the pool blocks and the side store together.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from centroidkv_vllm.config import CentroidConfig, config_of
+from centroidkv_vllm.heads import HeadLayout, head_layout
 from centroidkv_vllm.plan import Plan
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -37,9 +43,13 @@ logger = logging.getLogger("vllm.centroidkv")
 
 @dataclass(frozen=True, kw_only=True)
 class CentroidSpec(FullAttentionSpec):
-    """vLLM's full-attention spec plus the plugin's settings (the manager's only input)."""
+    """vLLM's full-attention spec plus the plugin's settings (the manager's only input): the heads kept
+    whole (`layout`) and the bytes of one block id over the group's layers, in which their side store
+    is counted."""
 
     centroid: CentroidConfig = CentroidConfig()
+    layout: HeadLayout | None = None
+    block_bytes: int = 0  # one block id's bytes over all the group's layers
 
 
 class CentroidManager(FullAttentionManager):
@@ -48,6 +58,8 @@ class CentroidManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: CentroidSpec, **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.config = kv_cache_spec.centroid
+        self.layout = kv_cache_spec.layout
+        self.block_bytes = kv_cache_spec.block_bytes
         self.plans: dict[str, Plan] = {}
         self.freed_total = 0  # blocks returned to the pool before their request finished
 
@@ -60,14 +72,20 @@ class CentroidManager(FullAttentionManager):
         if plan is None:
             if processed_computed_tokens < num_prompt_tokens:
                 return  # still in prefill: the whole prompt is needed
-            config = self.config
-            plan = Plan.at(
-                processed_computed_tokens, config.budget, config.max_new_tokens, config.compress_interval
-            )
+            config, anchor = self.config, processed_computed_tokens
+            budget_at = None if self.layout is None else self.layout.budget_at(config, anchor)
+            plan = Plan.at(anchor, config.budget, config.max_new_tokens, config.compress_interval, budget_at)
             self.plans[request_id] = plan
         blocks = self.req_to_blocks[request_id]
         before = sum(block.is_null for block in blocks)
-        last = min(plan.start(processed_computed_tokens) // self.block_size, len(blocks))
+        start = plan.start(processed_computed_tokens)
+        last = min(start // self.block_size, len(blocks))
+        if self.layout is not None and start > 0:
+            # the side store holds every token of the listed heads: it is counted as the blocks its
+            # bytes take at n + Gamma tokens (more if the request outgrows that), kept of those before
+            # the kept start (never read by the worker); freed with the request
+            tokens = max(processed_computed_tokens, plan.anchor + self.config.max_new_tokens)
+            last = max(0, last - self.layout.reserved_blocks(tokens, self.block_bytes))
         self._remove_blocks_in_range(request_id, 0, last)
         self.freed_total += sum(block.is_null for block in blocks) - before
 
@@ -77,7 +95,9 @@ class CentroidManager(FullAttentionManager):
         return super().pop_blocks_for_free(request_id)
 
 
-def centroid_kv_cache_config(kv_cache_config: KVCacheConfig, config: CentroidConfig) -> KVCacheConfig:
+def centroid_kv_cache_config(
+    kv_cache_config: KVCacheConfig, config: CentroidConfig, vllm_config: Any = None
+) -> KVCacheConfig:
     """A copy whose full-attention groups carry `CentroidSpec` (the worker keeps the original)."""
     result = copy.copy(kv_cache_config)
     result.kv_cache_groups = []
@@ -86,7 +106,11 @@ def centroid_kv_cache_config(kv_cache_config: KVCacheConfig, config: CentroidCon
         spec = group.kv_cache_spec
         if type(spec) is FullAttentionSpec:
             values = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
-            group.kv_cache_spec = CentroidSpec(**values, centroid=config)
+            layout = None if vllm_config is None else head_layout(config, vllm_config, spec.dtype)
+            block_bytes = spec.page_size_bytes * len(group.layer_names)
+            group.kv_cache_spec = CentroidSpec(
+                **values, centroid=config, layout=layout, block_bytes=block_bytes
+            )
         result.kv_cache_groups.append(group)
     return result
 
@@ -101,7 +125,7 @@ class CentroidScheduler(Scheduler):
             KVCacheSpecRegistry.register(
                 CentroidSpec, CentroidManager, uniform_type_base_spec=FullAttentionSpec
             )
-            kv_cache_config = centroid_kv_cache_config(kv_cache_config, config)
+            kv_cache_config = centroid_kv_cache_config(kv_cache_config, config, vllm_config)
             logger.info("centroidkv: the scheduler frees merged blocks (%s)", config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
 

@@ -33,6 +33,7 @@ from centroidkv.centroidkv import CentroidKV
 from centroidkv.compression import compress_protected
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv_vllm.config import CentroidConfig
+from centroidkv_vllm.heads import HeadLayout, SideStore
 from centroidkv_vllm.paged import read_entries, request_slots, write_entries
 from centroidkv_vllm.plan import Plan
 
@@ -45,6 +46,7 @@ NULL_BLOCK = 0  # vLLM's padding block: rows of a dummy run
 class RequestState:
     plan: Plan | None = None  # set at the request's first step out of prefill
     compressions: int = 0
+    store: SideStore | None = None  # heads kept whole: made at the first compression (centroidkv_vllm.heads)
 
 
 class LayerCache:
@@ -59,19 +61,46 @@ class LayerCache:
 
 
 def compress_layer(
-    layer: LayerCache, slots: Tensor, budget: int, method: CentroidKV, stats: LayerStats
+    layer: LayerCache,
+    slots: Tensor,
+    budget: int,
+    method: CentroidKV,
+    stats: LayerStats,
+    listed: tuple[int, ...] = (),
+    store: SideStore | None = None,
 ) -> None:
     """Merge the entries at `slots` (a request's kept positions, in order) down to `budget` entries
     with the library's `compress_protected`, written with their log-degrees to the last `budget` of
-    those slots (the recent window stays put)."""
+    those slots (the recent window stays put).
+
+    `listed`: the layer's KV heads kept whole, which are not merged: at the request's first
+    compression (`slots` then holds every position from 0) their entries go to its side store
+    `store`, and their slots in the pool get zeros (never read again: the attention reads them from
+    the store)."""
     keys, values = read_entries(layer.kv_cache, slots)  # [H, L, D]
     log_degree = layer.log_degree[slots].t()  # [H, L]
+    rest = [head for head in range(keys.shape[0]) if head not in listed]
+    if listed and not store.has(stats.layer_idx):
+        store.start(stats.layer_idx, keys[list(listed)], values[list(listed)])
     n_sink, n_recent = fit_protected(budget, method.n_sink, method.n_recent, "centroidkv at this budget")
-    entries = LayerKV(keys[None], values[None], log_degree[None])
+    entries = LayerKV(keys[None, rest], values[None, rest], log_degree[None, rest])
     kept = compress_protected(entries, budget, method, stats, n_sink, n_recent)
     out = slots[slots.numel() - budget :]
-    write_entries(layer.kv_cache, out, kept.keys[0], kept.values[0], layer.isa)
-    layer.log_degree[out] = kept.log_degree[0].t()
+    if listed:  # every head is written back: the listed ones as zeros
+        kept_keys, kept_values = (
+            keys.new_zeros(keys.shape[0], budget, keys.shape[2]),
+            keys.new_zeros(keys.shape[0], budget, keys.shape[2]),
+        )
+        kept_degree = log_degree.new_zeros(keys.shape[0], budget)
+        kept_keys[rest], kept_values[rest], kept_degree[rest] = (
+            kept.keys[0],
+            kept.values[0],
+            kept.log_degree[0],
+        )
+    else:
+        kept_keys, kept_values, kept_degree = kept.keys[0], kept.values[0], kept.log_degree[0]
+    write_entries(layer.kv_cache, out, kept_keys, kept_values, layer.isa)
+    layer.log_degree[out] = kept_degree.t()
 
 
 @dataclass(frozen=True)
@@ -82,6 +111,7 @@ class Compression:
     slots: Tensor
     budget: int
     length: int  # the request's logical (computed) length
+    store: SideStore | None = None  # the request's side store (heads kept whole)
 
 
 @dataclass(frozen=True)
@@ -94,6 +124,7 @@ class CompressionStep:
     method: CentroidKV
     layer_names: tuple[str, ...]  # the group's layers in order (a layer's index for `LayerStats`)
     scale: float
+    listed: tuple[tuple[int, ...], ...] = ()  # per layer index, the KV heads kept whole (`HeadLayout`)
 
     def run(self, layer_name: str, layer: LayerCache) -> None:
         """Merge each due request in this layer's cache and log-degrees (`compress_layer`)."""
@@ -101,8 +132,9 @@ class CompressionStep:
             return
         index = self.layer_names.index(layer_name)
         stats = LayerStats(layer_idx=index, n_layers=len(self.layer_names), scaling=self.scale)
+        listed = self.listed[index] if self.listed else ()
         for item in self.compressions:
-            compress_layer(layer, item.slots, item.budget, self.method, stats)
+            compress_layer(layer, item.slots, item.budget, self.method, stats, listed, item.store)
         if index == len(self.layer_names) - 1:  # the group's last layer: every layer has merged
             for item in self.compressions:
                 logger.info(
@@ -119,12 +151,23 @@ class Tracker:
     start (first logical position it holds) for the metadata; the compressions themselves run in each
     layer's attention (`CompressionStep`)."""
 
-    def __init__(self, config: CentroidConfig, block_size: int, scale: float):
+    def __init__(
+        self, config: CentroidConfig, block_size: int, scale: float, layout: HeadLayout | None = None
+    ):
         self.config = config
         self.block_size = block_size
         self.scale = scale
+        self.layout = layout
         self.method = config.method()
         self.states: dict[int, RequestState] = {}  # block holding the request's last entry -> state
+        self.stores: list[SideStore | None] = []  # this step's side store of each request (or None)
+
+    def plan_at(self, anchor: int) -> Plan:
+        """The plan of a request anchored at `anchor` (`centroidkv_vllm.plan`, B in bytes with heads
+        kept whole: `HeadLayout.budget_at`)."""
+        config = self.config
+        budget_at = None if self.layout is None else self.layout.budget_at(config, anchor)
+        return Plan.at(anchor, config.budget, config.max_new_tokens, config.compress_interval, budget_at)
 
     def step(
         self,
@@ -134,29 +177,46 @@ class Tracker:
         block_table: Tensor,
     ) -> tuple[list[int], tuple[Compression, ...]]:
         """Each request's kept start in this step, and the compressions due before its attention."""
-        starts, due = [], []
+        starts, due, stores, held, assigned = [], [], [], set(), set()
         for i, (seq_len, query_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
             row = block_table[i]
             last_block = int(row[(seq_len - 1) // self.block_size]) if seq_len > 0 else NULL_BLOCK
             if last_block == NULL_BLOCK or query_len == 0:
                 starts.append(0)  # a dummy row (padding, profiling run) or a request without tokens
+                stores.append(None)
                 continue
             computed = seq_len - query_len  # logical entries already in the cache
             prefilling = bool(is_prefilling[i]) if is_prefilling is not None else query_len > 1
             state = self._state(row, computed)
             if state.plan is None and not prefilling:
-                config = self.config
-                state.plan = Plan.at(computed, config.budget, config.max_new_tokens, config.compress_interval)
+                state.plan = self.plan_at(computed)
             start = 0
             if state.plan is not None:
                 start = state.plan.start(computed)
                 if state.plan.due(computed):
+                    if self.layout is not None and state.store is None:
+                        state.store = SideStore(headroom=max(1, self.config.max_new_tokens))
                     slots = request_slots(row, state.plan.start(computed - 1), computed, self.block_size)
-                    due.append(Compression(slots, state.plan.budget, computed))
+                    budget = state.plan.entries_at(computed)
+                    due.append(Compression(slots, budget, computed, state.store))
                     state.compressions += 1
             self.states[last_block] = state
+            assigned.add(last_block)
             starts.append(start)
+            stores.append(state.store)
+            held.update(row[start // self.block_size : (seq_len - 1) // self.block_size + 1].tolist())
+        self._drop_finished(held, assigned)
+        self.stores = stores
         return starts, tuple(due)
+
+    def _drop_finished(self, held: set[int], assigned: set[int]) -> None:
+        """Drop the states of requests that have finished (or were preempted): a state keyed by a
+        block that a request of this step holds, other than by its own last block. A running request
+        that is not scheduled in this step keeps its blocks, so its key lies in no other request's
+        range; a finished request's blocks went back to the pool, and its state (with its side store)
+        goes once one of them holds another request's entries."""
+        for block in [block for block in self.states if block in held and block not in assigned]:
+            del self.states[block]
 
     def _state(self, row: Tensor, computed: int) -> RequestState:
         """A new state for a request's first chunk, else the one keyed by the block of its last entry."""

@@ -61,3 +61,35 @@ def test_a_second_compression_keeps_the_earlier_degrees():
     compress_layer(layer, slots[-400:], 250, method, STATS)
     degree = layer.log_degree[slots[-250:]].exp()
     assert torch.allclose(degree.sum(dim=0), torch.full((HEADS,), 700.0), atol=1e-3)
+
+
+def test_heads_kept_whole_go_to_the_side_store_and_the_others_are_merged_alone():
+    """heads=whole (`centroidkv_vllm.heads`): at the first compression the listed head's entries go
+    to the request's side store as they are; its slots in the pool get zeros (never read again); the
+    other heads are merged by the library on their own."""
+    from centroidkv.budget import fit_protected
+    from centroidkv.compression import compress_protected
+    from centroidkv.kv import LayerKV
+    from centroidkv_vllm.heads import SideStore
+
+    kv_cache, row, slots, keys, values = paged_request(700)
+    reference = kv_cache.clone()
+    layer, method, store = LayerCache(kv_cache, "vec"), CentroidConfig().method(), SideStore(headroom=8)
+    compress_layer(layer, slots, 300, method, STATS, listed=(1,), store=store)
+    kept_k, kept_v = store.read(0)
+    assert kept_k.shape == (1, 700, keys.shape[-1])
+    assert torch.equal(kept_k[0], keys[:, 1]) and torch.equal(kept_v[0], values[:, 1])
+    out_k, out_v = read_entries(kv_cache, slots[-300:])
+    assert not out_k[1].any() and not out_v[1].any() and not layer.log_degree[slots[-300:], 1].any()
+    # the others: the library's compression of those two heads alone (the harness's main group after
+    # the split; CSM's merges depend on which heads it is given, so not those of all three heads)
+    ref_k, ref_v = read_entries(reference, slots)
+    rest = LayerKV(ref_k[None, [0, 2]], ref_v[None, [0, 2]], torch.zeros(1, 2, 700))
+    n_sink, n_recent = fit_protected(300, method.n_sink, method.n_recent, "test")
+    kept = compress_protected(rest, 300, method, STATS, n_sink, n_recent)
+    for index, head in enumerate((0, 2)):
+        assert torch.equal(out_k[head], kept.keys[0, index].to(out_k.dtype))
+        assert torch.equal(out_v[head], kept.values[0, index].to(out_v.dtype))
+        assert torch.equal(layer.log_degree[slots[-300:], head], kept.log_degree[0, index])
+    store.append(0, keys[:5, 1].unsqueeze(0), values[:5, 1].unsqueeze(0))  # a step's tokens grow it
+    assert store.read(0)[0].shape[1] == 705 and torch.equal(store.read(0)[0][0, 700:], keys[:5, 1])
