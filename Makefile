@@ -94,7 +94,8 @@ serve-test: $(STAMP) $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(SERVE_BIN)/pytest -q tests_serve $(SERVE_TESTS)
 
 # Stock vLLM against the plugin at R = 1/2, 1/4, 1/8 at equal KV memory (scripts/serve_bench.py);
-# ARGS=--quick: 8 requests of 1024 + 256 tokens in a pool of 2 full-cache requests.
+# ARGS=--quick: 8 requests of 1024 + 256 tokens in a pool of 2 full-cache requests; plugin rows with
+# the heads compressed and kept whole (--heads none,whole, the default).
 serve-bench: $(STAMP) $(SERVE_STAMP)
 	$(CONVERT_EMBEDDED)
 	$(BUILD_DECODE_LOOP)

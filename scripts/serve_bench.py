@@ -4,7 +4,9 @@ One KV pool for every row, sized to hold `--fit` full-cache requests (prompt + n
 blocks of 128 slots, plus vLLM's null block); more requests than that are submitted at once, all at
 time 0, with decode-heavy lengths. Each row is one engine in its own process (`python -m
 centroidkv_vllm workload`, the engine stepped in-process so the scheduler can be read after every
-step): stock vLLM (no plugin loaded), then the plugin with its scheduler at each budget R.
+step): stock vLLM (no plugin loaded), then the plugin with its scheduler at each budget R, under
+each head policy of `--heads` (`none`: every KV head compressed, R in entries; `whole`: the model's
+calibrated heads kept whole in a per-request side store, R in bytes over both parts).
 
 Reported per row: the most requests running at once and their mean over decode steps, output
 tokens/s (all output tokens over the wall time from the first step to the last), TTFT (from time 0,
@@ -20,7 +22,7 @@ pool (4 bytes per KV head, layer and slot: 1.6 % of the bf16 KV bytes at head di
 
     .venv-serve/bin/python scripts/serve_bench.py            # 16 x (2048 + 512) tokens, pool of 4
     .venv-serve/bin/python scripts/serve_bench.py --quick    # 8 x (1024 + 256) tokens, pool of 2:
-                                                             # stock and R = 1/4, 1/8 only
+                                                             # stock and R = 1/4, 1/8 (both policies)
 
 Records: results/serve_bench-<UTC time>.json (settings, machine load, one record per row with its
 measures and the raw per-step trace), a file beside the compact records, so that the README's
@@ -59,6 +61,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--fit", type=int, default=4, help="full-cache requests the KV pool holds")
     parser.add_argument("--budgets", default="0.5,0.25,0.125")
+    parser.add_argument(
+        "--heads", default="none,whole", help="head policies of the plugin's rows: none, whole or both"
+    )
     parser.add_argument("--compress-interval", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
@@ -73,6 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=str(REPO / "results"))
     args = parser.parse_args(argv)
+    if not set(args.heads.split(",")) <= {"none", "whole"}:
+        parser.error(f"--heads {args.heads!r}: a comma list of none and whole")
     if args.quick:
         args.requests, args.prompt_tokens, args.new_tokens, args.fit = 8, 1024, 256, 2
         args.budgets, args.no_own, args.no_unlimited = "0.25,0.125", True, True
@@ -94,11 +101,15 @@ def pool_mib(args: argparse.Namespace) -> float:
 
 
 def run_row(
-    args: argparse.Namespace, budget: float | None, fit: int | None = None, own: bool = False
+    args: argparse.Namespace,
+    budget: float | None,
+    fit: int | None = None,
+    own: bool = False,
+    heads: str = "none",
 ) -> dict:
     """One engine in its own process; its trace (`centroidkv_vllm.workload.Trace`) as a dict.
     `fit`: a pool of that many full-cache requests instead of `args.fit`; `own`: every decoding row
-    through the plugin's attention."""
+    through the plugin's attention; `heads`: the plugin's head policy."""
     kv_mib = pool_mib(args) if fit is None else pool_mib(argparse.Namespace(**{**vars(args), "fit": fit}))
     command = [sys.executable, "-m", "centroidkv_vllm", "workload", "--model", args.model]
     command += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
@@ -109,6 +120,7 @@ def run_row(
     else:
         command += ["--budget", str(budget), "--compress-interval", str(args.compress_interval)]
         command += ["--own-attention"] if own else []
+        command += ["--heads", heads]
     proc = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("CENTROIDKV_RESULT "):
@@ -173,17 +185,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
+def row_plan(args: argparse.Namespace) -> list[tuple[float | None, bool, str]]:
+    """The equal-memory rows in order, each (budget or None for stock vLLM, own attention, heads)."""
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    plan = [(None, False, "none"), *[(b, False, h) for b in budgets for h in args.heads.split(",")]]
+    return plan + ([] if args.no_own else [(1.0, True, "none")])
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
-    budgets = [float(b) for b in args.budgets.split(",") if b]
     started = time.time()
     rows = []
-    plan = [(None, False), *[(b, False) for b in budgets]] + ([] if args.no_own else [(1.0, True)])
-    for budget, own in plan:
+    for budget, own, heads in row_plan(args):
         engine = "stock vLLM" if budget is None else f"plugin R={budget:g}" + (" own attn" if own else "")
+        engine += " heads whole" if heads == "whole" else ""
         print(f"running {engine} ...", flush=True)
-        trace = run_row(args, budget, own=own)
-        row = {"engine": engine, "budget": budget, "measures": measures(trace, args.new_tokens)}
+        trace = run_row(args, budget, own=own, heads=heads)
+        row = {
+            "engine": engine,
+            "budget": budget,
+            "heads": heads,
+            "measures": measures(trace, args.new_tokens),
+        }
         rows.append({**row, "trace": trace})
         print(json.dumps(row), flush=True)
     if not args.no_unlimited:

@@ -1,6 +1,6 @@
 """The committed record of the full `make serve-bench` (results/serve_bench.json.gz) against the table
 docs/vllm.md prints from it: every engine's measures follow from its per-step trace, every cell of the
-table from those measures (scripts/serve_bench.py's own formats)."""
+table from those measures (scripts/serve_bench.py's own formats); and the rows a run plans."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import gzip
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -50,3 +52,19 @@ def test_docs_table_is_the_records():
             assert cells[title] == fmt.format(value), (cells["engine"], title)
         for key, title in serve_bench.RATIOS:
             assert cells[title] == f"{measured[key] / stock[key]:.2f}", (cells["engine"], title)
+
+
+def test_quick_bench_rows_are_stock_then_each_budget_under_both_head_policies(capsys):
+    rows = serve_bench.row_plan(serve_bench.parse_args(["--quick"]))
+    assert rows == [
+        (None, False, "none"),
+        (0.25, False, "none"),
+        (0.25, False, "whole"),
+        (0.125, False, "none"),
+        (0.125, False, "whole"),
+    ]
+    full = serve_bench.row_plan(serve_bench.parse_args(["--heads", "whole"]))
+    assert [heads for _, _, heads in full] == ["none", "whole", "whole", "whole", "none"]  # stock, 3 R, own
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--heads", "budget"])
+    assert "--heads 'budget'" in capsys.readouterr().err
