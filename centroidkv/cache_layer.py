@@ -1,20 +1,20 @@
 """One layer of a compressed cache: its head groups, and when they store, record and compress.
 
 A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
-policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression. It is what
-transformers and the attention function talk to: it routes each group its heads' new tokens and
-queries, decides when a group is over its budget, and splits the heads. What each group should do
-(its budget, storage format, records) is its cache's decision: the layer asks its cache for a
-`GroupPlan` (`centroidkv.group_plan`) on every call that needs one and hands it to the group, so
-groups refer to nothing above them. The layer refers to its cache weakly, and only through what
-`LayerOwner` lists: the cache (`centroidkv.cache.CompressedCache`) imports this module, not the other
-way round.
+policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression. It
+routes each group its heads' new tokens and queries, decides when a group is over its budget, and
+splits the heads. What each group should do (its budget, storage format, records) is its cache's
+decision: the cache hands the layer a `GroupPlanner` (`centroidkv.planner`) as an argument of every
+call that needs plans, the layer asks it for each group's `GroupPlan` (`centroidkv.group_plan`) with
+its own state as a value (`state`), and hands the plan to the group. So a layer holds no reference
+to its cache, nor a group to its layer: the cache (`centroidkv.cache.CompressedCache`) imports this
+module, and nothing here calls back up.
+
+The entries are the groups' (`main.keys`, `group("whole").keys`, ...); the layer's own `keys` and
+`values` are transformers' layer interface, for the libraries that use it (kvpress): the main group's.
 """
 
 from __future__ import annotations
-
-import weakref
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,23 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from centroidkv.group_plan import GroupPlan
 from centroidkv.head_group import HeadGroup, storage_bytes
 from centroidkv.kv import LayerStats
-
-
-class LayerOwner(Protocol):
-    """What a layer reads from its cache (`centroidkv.cache.CompressedCache`)."""
-
-    n_layers: int | None  # set when the cache meets a prepared model
-    rotary: list | None  # each layer's rotary table, or None
-    compression_enabled: bool
-    listed_role: str  # the role of the heads the head policy lists ("whole" or "favoured")
-
-    def group_plan(self, layer: CompressedLayer, role: str, with_budget: bool = True) -> GroupPlan: ...
-
-    def plan_budget(self, layer: CompressedLayer) -> None: ...
-
-    def heads_listed(self) -> dict[int, list[int]]: ...
-
-    def new_layer(self, layer_idx: int) -> CompressedLayer: ...
+from centroidkv.planner import GroupPlanner, LayerState
 
 
 class CompressedLayer(DynamicLayer):
@@ -51,13 +35,9 @@ class CompressedLayer(DynamicLayer):
     main_role = "compressed"
     window: int | None = None  # a window layer's W (`centroidkv.window_layer`)
 
-    def __init__(self, owner: LayerOwner, layer_idx: int):
+    def __init__(self, layer_idx: int):
         self.groups = [HeadGroup(self.main_role)]
-        super().__init__()
-        # A weak reference: a strong one would make cache <-> layer a reference cycle, and every
-        # dropped cache (one per fork) would hold its tensors until Python's cycle collector runs.
-        # (Groups refer to nothing: their layer hands them their plans.)
-        self._owner = weakref.ref(owner)
+        super().__init__()  # (sets `keys` and `values`: the main group's, below)
         self.layer_idx = layer_idx
         self.scaling: float = 1.0
         self.query_group = 1  # query heads per KV head (set by the first attention call)
@@ -65,61 +45,71 @@ class CompressedLayer(DynamicLayer):
         self.prompt_len: int | None = None  # length of the first update (the prefill)
 
     @property
-    def owner(self) -> LayerOwner:
-        owner = self._owner()
-        if owner is None:
-            raise RuntimeError("this cache layer outlived its CompressedCache")
-        return owner
+    def main(self) -> HeadGroup:
+        """The group compressed to B (every head before a split)."""
+        return self.groups[0]
 
-    # What transformers' layer interface and the methods read: the main group's entries.
-    main = property(lambda self: self.groups[0], doc="The group compressed to B (every head before a split).")
-    keys = property(lambda self: self.main.keys, lambda self, value: setattr(self.main, "keys", value))
-    values = property(lambda self: self.main.values, lambda self, value: setattr(self.main, "values", value))
-    log_degree = property(lambda self: self.main.log_degree)
-    extras = property(lambda self: self.main.extras)
-    windows = property(lambda self: self.main.windows)
-    packed = property(lambda self: self.main.packed)
-    length = property(lambda self: self.main.length, doc="Entries per compressed head.")
-    budget_len = property(lambda self: self.plan(self.main_role).budget_len, doc="B, once the prompt is in.")
-    tracks_attention = property(lambda self: self.main.tracks_attention)
-    n_compressions = property(lambda self: self.main.n_compressions)
-    protected_used = property(lambda self: self.main.protected_used)
-    attention_sum = property(lambda self: self.main.extras.get("attention_sum"), doc="[B, H, T] or None.")
-    queries = property(lambda self: self.main.windows.get("queries"), doc="The last queries, or None.")
-    split = property(lambda self: self.main.heads is not None, doc="Whether the head policy split the heads.")
+    def is_split(self) -> bool:
+        """Whether the head policy split the heads into groups."""
+        return self.main.heads is not None
 
     def group(self, role: str) -> HeadGroup | None:
         """The group of `role` ("whole", "favoured"), None when the layer has none."""
         return next((group for group in self.groups if group.role == role), None)
 
-    # --- the plans (centroidkv.group_plan) -------------------------------------------------------
-    def plan(self, role: str, with_budget: bool = True) -> GroupPlan:
-        """What a group of `role` does now (`CompressedCache.group_plan`)."""
-        return self.owner.group_plan(self, role, with_budget)
+    # --- the plans (centroidkv.planner) ----------------------------------------------------------
+    def state(self) -> LayerState:
+        """What its planner reads about this layer (`centroidkv.planner.LayerState`)."""
+        keys = self.main.keys
+        if keys is None or keys.dim() < 4:
+            return LayerState(self.layer_idx, self.prompt_len, self.n_seen, self.window, self.query_group)
+        batch, _, _, head_dim = keys.shape
+        n_heads = sum(group.n_heads for group in self.groups)
+        return LayerState(
+            self.layer_idx,
+            self.prompt_len,
+            self.n_seen,
+            self.window,
+            self.query_group,
+            batch=batch,
+            n_heads=n_heads,
+            head_dim=head_dim,
+            itemsize=self.dtype.itemsize,
+        )
 
-    def stats(self) -> LayerStats:
-        """What a method may read besides a group's entries: this layer, its scaling, its rotary table
-        (the windows are each group's own: `HeadGroup.compress` adds them)."""
-        cache = self.owner
-        rotary = cache.rotary[self.layer_idx] if cache.rotary else None
-        return LayerStats(self.layer_idx, cache.n_layers, self.scaling, rotary=rotary)
+    def plan(self, planner: GroupPlanner, role: str, with_budget: bool = True) -> GroupPlan:
+        """What a group of `role` does now (`GroupPlanner.group_plan`)."""
+        return planner.group_plan(self.state(), role, with_budget)
+
+    # transformers' layer interface (`CacheLayerMixin.keys` and `values`), which kvpress's presses
+    # read and replace: the compressed heads' entries, which the main group holds.
+    @property
+    def keys(self) -> Tensor | None:
+        return self.main.keys
+
+    @keys.setter
+    def keys(self, keys: Tensor | None) -> None:
+        self.main.keys = keys
+
+    @property
+    def values(self) -> Tensor | None:
+        return self.main.values
+
+    @values.setter
+    def values(self, values: Tensor | None) -> None:
+        self.main.values = values
 
     # --- storing tokens --------------------------------------------------------------------------
     def read(self, slot: str) -> Tensor:
+        """The compressed heads' `slot` ("keys" or "values") in the model's dtype (`HeadGroup.read`)."""
         return self.main.read(slot)
 
-    def degrees_or_zeros(self) -> Tensor:
-        return self.main.degrees_or_zeros()
-
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
-        """Store the new tokens; return the compressed heads' keys and values for the attention
-        (dequantized when the storage is not the model's dtype)."""
-        self.add(key_states, value_states)
-        return self.read("keys"), self.read("values")
+        raise TypeError("a compressed layer is updated through its cache (`CompressedCache.update`)")
 
-    def add(self, key_states: Tensor, value_states: Tensor) -> None:
+    def add(self, planner: GroupPlanner, key_states: Tensor, value_states: Tensor) -> None:
         """Store the new tokens' keys and values [B, H, q, D] (and their records), each group its heads."""
-        if self.owner.n_layers is None:
+        if planner.n_layers is None:
             raise RuntimeError(
                 "CompressedCache needs a model prepared by centroidkv: load it with centroidkv.load_model, "
                 "or call centroidkv.prepare_model(model) once after loading it yourself (its attention adds "
@@ -131,32 +121,27 @@ class CompressedLayer(DynamicLayer):
             keys, values = key_states, value_states
             if group.heads is not None:
                 keys, values = key_states[:, group.heads], value_states[:, group.heads]
-            group.add(keys, values, self.n_seen, self.plan(group.role))
+            group.add(keys, values, self.n_seen, self.plan(planner, group.role))
         self.n_seen += key_states.shape[2]
         if self.prompt_len is None:
             self.prompt_len = key_states.shape[2]
-            self.check_planned_room()
+            self.check_planned_room(planner)
 
-    def settle(self) -> None:
+    def settle(self, planner: GroupPlanner) -> None:
         """Bring every group to its plan's storage format (`HeadGroup.settle`)."""
         for group in self.groups:
-            group.settle(self.plan(group.role))
+            group.settle(self.plan(planner, group.role))
 
-    def check_planned_room(self) -> None:
+    def check_planned_room(self, planner: GroupPlanner) -> None:
         """Raise now (one line) when the generation this cache was planned for (the prompt plus
         `max_new_tokens`) will need a compression whose budget holds no entry at all,
         instead of failing at that compression, possibly many tokens later."""
-        plan = self.plan(self.main_role, with_budget=False)
-        if not plan.compresses or not self.owner.compression_enabled:
+        if not planner.compression_enabled or not self.plan(planner, self.main_role, False).compresses:
             return
-        budget, planned = self.budget_len, self.prompt_len + max(0, plan.max_new_tokens - 1)
+        plan = self.plan(planner, self.main_role)  # (its budget: solved only for a layer that compresses)
+        budget, planned = plan.budget_len, self.prompt_len + max(0, plan.max_new_tokens - 1)
         if self.prompt_len > budget or planned > budget + plan.compress_interval - 1:
-            self.check_protected_fit()
-
-    def check_protected_fit(self) -> None:
-        """Raise (one line) when this layer's budget holds no entry at all; a budget below the protected
-        windows shrinks them instead (`GroupPlan.protected_windows`)."""
-        self.plan(self.main_role).protected_windows()
+            plan.protected_windows()  # raises when the budget holds no entry; else shrinks them
 
     def capacity_bytes(self) -> int:
         """Bytes allocated behind this layer's stored tensors (`centroidkv.head_group.storage_bytes`)."""
@@ -169,8 +154,8 @@ class CompressedLayer(DynamicLayer):
 
     def head_lengths(self) -> list[int]:
         """Entries per KV head, in head order."""
-        if not self.split:
-            return [self.length] * self.main.n_heads
+        if not self.is_split():
+            return [self.main.length] * self.main.n_heads
         lengths = [0] * sum(len(group.heads) for group in self.groups)
         for group in self.groups:
             for head in group.heads.tolist():
@@ -181,7 +166,7 @@ class CompressedLayer(DynamicLayer):
         return self.n_seen
 
     def get_mask_sizes(self, cache_position: Tensor) -> tuple[int, int]:
-        return self.length + cache_position.shape[0], 0
+        return self.main.length + cache_position.shape[0], 0
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("a compressed cache cannot be cropped (positions no longer map to entries)")
@@ -202,6 +187,7 @@ class CompressedLayer(DynamicLayer):
     # --- attention and compression ---------------------------------------------------------------
     def after_attention(
         self,
+        planner: GroupPlanner,
         queries: list[Tensor] | Tensor,
         scaling: float,
         received: list[Tensor | None] | Tensor | None = None,
@@ -213,61 +199,63 @@ class CompressedLayer(DynamicLayer):
         if not isinstance(queries, list):
             queries, received = [queries], [received]
         self.scaling = scaling
-        if not self.split and self.main.n_heads:
+        if not self.is_split() and self.main.n_heads:
             self.query_group = queries[0].shape[1] // self.main.n_heads
         for group, query, got in reversed(list(zip(self.groups, queries, received, strict=True))):
-            plan = self.plan(group.role)
+            plan = self.plan(planner, group.role)
             group.record(query, got, plan)
             if group is not self.main and group.needs_compression(plan):
-                self.owner.plan_budget(self)  # in bytes: what the other groups hold now
-                group.compress(self.plan(group.role), self.stats())
+                planner.solve_budget(self.state())  # in bytes: what the other groups hold now
+                group.compress(self.plan(planner, group.role), self.stats(planner))
         # `plan` is the main group's: the loop's last, built after any other group compressed
         if self.main.needs_compression(plan):
-            self.compress()
+            self.compress(planner)
 
-    def needs_compression(self) -> bool:
-        return self.main.needs_compression(self.plan(self.main_role))
+    def stats(self, planner: GroupPlanner) -> LayerStats:
+        """What a method may read besides a group's entries (`GroupPlanner.stats`)."""
+        return planner.stats(self.layer_idx, self.scaling)
 
-    def compress(self) -> None:
+    def needs_compression(self, planner: GroupPlanner) -> bool:
+        return self.main.needs_compression(self.plan(planner, self.main_role))
+
+    def compress(self, planner: GroupPlanner) -> None:
         """Shrink the layer to its budget; at its first compression, split the heads its method's head
         policy lists into their own group (then compressed to its own budget, or kept whole)."""
-        cache = self.owner
-        cache.plan_budget(self)  # in bytes: solved for what every group holds now, once
-        listed = cache.heads_listed().get(self.layer_idx)
-        if listed and not self.split:
-            self.split_heads(listed)
+        planner.solve_budget(self.state())  # in bytes: solved for what every group holds now, once
+        listed = planner.heads_listed().get(self.layer_idx)
+        if listed and not self.is_split():
+            self.split_heads(planner, listed)
             listed_group = self.groups[1]
-            plan = self.plan(listed_group.role)
+            plan = self.plan(planner, listed_group.role)
             if plan.compresses:  # favoured heads: compressed to their own budget right away
-                listed_group.compress(plan, self.stats())
-        self.main.compress(self.plan(self.main_role), self.stats())
+                listed_group.compress(plan, self.stats(planner))
+        self.main.compress(self.plan(planner, self.main_role), self.stats(planner))
 
-    def split_heads(self, listed: list[int]) -> None:
-        """Move the KV heads `listed` into a group of their own (`CompressedCache.listed_role`): kept
+    def split_heads(self, planner: GroupPlanner, listed: list[int]) -> None:
+        """Move the KV heads `listed` into a group of their own (`GroupPlanner.listed_role`): kept
         whole from now on (heads=whole) or compressed to heads_boost x B (heads=budget)."""
         main, n_heads = self.main, self.main.n_heads
         if any(not 0 <= head < n_heads for head in listed):
             raise ValueError(f"layer {self.layer_idx}: listed heads {listed} outside 0..{n_heads - 1}")
-        device = self.keys.device
+        device = main.keys.device
         other = torch.tensor(sorted(listed), dtype=torch.long, device=device)
         rest = torch.tensor([h for h in range(n_heads) if h not in listed], dtype=torch.long, device=device)
-        role = self.owner.listed_role
+        role = planner.listed_role
         self.groups = [
-            main.select(self.main_role, rest, n_heads, self.plan(self.main_role)),
-            main.select(role, other, n_heads, self.plan(role)),
+            main.select(self.main_role, rest, n_heads, self.plan(planner, self.main_role)),
+            main.select(role, other, n_heads, self.plan(planner, role)),
         ]
 
-    def fork(self, owner: LayerOwner) -> CompressedLayer:
-        """A layer for another cache that shares this one's tensors (never modified in place), with
-        only the records `owner` asks for."""
-        twin = owner.new_layer(self.layer_idx)
+    def fork_into(self, twin: CompressedLayer, planner: GroupPlanner) -> CompressedLayer:
+        """Make `twin` (an empty layer of another cache, whose `planner` it gets) share this layer's
+        tensors (never modified in place), with only the records that cache asks for; return it."""
         for attr in ("scaling", "query_group", "n_seen", "prompt_len", "is_initialized", "dtype", "device"):
             setattr(twin, attr, getattr(self, attr))
         twin.groups = [
             # a split layer's compressed heads were compressed at the split: not the tokens as seen
             group.fork(
-                twin.plan(group.role, with_budget=False),
-                group.length == self.n_seen and not (self.split and group is self.main),
+                twin.plan(planner, group.role, with_budget=False),
+                group.length == self.n_seen and not (self.is_split() and group is self.main),
             )
             for group in self.groups
         ]

@@ -107,7 +107,7 @@ def prefill(
             if fork.error is not None:
                 continue
             fork.cache.take_model_from(cache)
-            fork.cache.layers.append(layer.fork(fork.cache))
+            fork.cache.add_fork_of(layer)
             start = time.perf_counter()
             try:
                 tap.after_layer(module, kwargs, output, fork.cache)

@@ -8,8 +8,8 @@ them, a group is handed a frozen `GroupPlan` on every call that needs one: value
 group holds no reference to its layer or cache (no reference cycle to free, nothing it could read
 out of date), and it can be driven, or tested, with any plan.
 
-The cache builds the plans (`centroidkv.cache.CompressedCache.group_plan`) and the layer hands them
-down (`centroidkv.cache_layer`): the cache's builder is the only place where a group's role
+The cache's planner builds the plans (`centroidkv.planner.GroupPlanner.group_plan`) and the layer
+hands them down (`centroidkv.cache_layer`): the planner is the only place where a group's role
 ("compressed", "whole", "favoured", "window") is turned into settings, and where a method's fields
 are read for a group. Nothing here reads the method's fields.
 """

@@ -46,7 +46,7 @@ class HeadGroup:
     """Some KV heads of one layer and what is stored for them (module docstring)."""
 
     def __init__(self, role: str = "compressed", heads: Tensor | None = None):
-        self.role = role  # which plan it is handed (`centroidkv.cache.CompressedCache.group_plan`)
+        self.role = role  # which plan it is handed (`centroidkv.planner.GroupPlanner.group_plan`)
         self.heads = heads
         self.dtype: torch.dtype | None = None  # the model's, set by the first tokens
         self.keys: Tensor | None = None

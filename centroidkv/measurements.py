@@ -67,7 +67,7 @@ def _kept_every_token(cache) -> bool | None:
     full cache, which always does)."""
     if not cache.method.compresses or not cache.layers:
         return None
-    return all(layer.length == layer.get_seq_length() for layer in cache.layers)
+    return all(layer.main.length == layer.get_seq_length() for layer in cache.layers)
 
 
 def register_measurement(measurement: Measurement) -> Measurement:

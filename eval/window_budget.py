@@ -1,9 +1,9 @@
 """Whether a method's window of recent queries alone takes a byte budget, known before the model loads.
 
-In bytes the cache counts everything it stores (`CompressedCache.plan_budget`): a method that scores
-with the last `window_size` queries (SnapKV, PyramidKV) stores them for every query head, whatever its
-budget, so at a small budget on a short prompt that window alone can take the whole budget, and every
-record would then fail at its first compression.
+In bytes the cache counts everything it stores (`centroidkv.planner.GroupPlanner.solve_budget`): a
+method that scores with the last `window_size` queries (SnapKV, PyramidKV) stores them for every query
+head, whatever its budget, so at a small budget on a short prompt that window alone can take the
+whole budget, and every record would then fail at its first compression.
 """
 
 from __future__ import annotations

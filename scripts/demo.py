@@ -88,7 +88,7 @@ def decode_step_times(model: torch.nn.Module) -> Iterator[list[float]]:
 
 def degrees(cache) -> tuple[float, float]:
     """Mean and largest degree over the entries of the compressed heads (heads kept whole excluded)."""
-    degree = torch.cat([layer.degrees_or_zeros().exp().flatten() for layer in cache.layers])
+    degree = torch.cat([layer.main.degrees_or_zeros().exp().flatten() for layer in cache.layers])
     return degree.mean().item(), degree.max().item()
 
 

@@ -93,8 +93,8 @@ def needle_fate(cache, n_marked: int) -> torch.Tensor:
     haystack / evicted, over all KV heads."""
     rows = []
     for layer in cache.layers:
-        mark = layer.extras[NEEDLE.name]  # [B, H_c, T]
-        degree = layer.degrees_or_zeros().exp()
+        mark = layer.main.extras[NEEDLE.name]  # [B, H_c, T]
+        degree = layer.main.degrees_or_zeros().exp()
         n_heads = len(layer.head_lengths())
         single = degree < 1.5
         intact = (mark * single).sum()

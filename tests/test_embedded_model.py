@@ -63,7 +63,8 @@ def test_compressed_generation_on_real_keys(embedded):
     # the prefill is shared and never modified by a fork
     assert prefilled.cache.seq_lengths()[0] == ids.shape[1]
     assert all(
-        torch.isfinite(layer.log_degree).all() for layer in prefilled.cache.fork("centroidkv", 0.5).layers
+        torch.isfinite(layer.main.log_degree).all()
+        for layer in prefilled.cache.fork("centroidkv", 0.5).layers
     )
 
 

@@ -322,8 +322,8 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     assert n_question > 0 and record["context_length"] == n_context + n_question
     full = prefill(model, torch.cat([context_ids, question_ids], dim=1), 1).cache
     for layer, n_compressed in zip(cache.layers, compressed, strict=True):
-        assert n_compressed < n_context and layer.length == n_compressed + n_question
-        degrees = layer.log_degree
+        assert n_compressed < n_context and layer.main.length == n_compressed + n_question
+        degrees = layer.main.log_degree
         assert (degrees[..., :n_compressed] > 0).any()  # the context was merged ...
         assert (degrees[..., n_compressed:] == 0).all()  # ... the question was not: degree 1 each
     question_keys = cache.layers[0].keys[:, :, -n_question:]

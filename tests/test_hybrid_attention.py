@@ -77,7 +77,7 @@ def test_a_hybrid_model_matches_eager_attention_over_prefill_and_decode(factory)
     windows = sliding_windows(ours.config)
     for index, layer in enumerate(cache.layers):
         assert isinstance(layer, WindowLayer) == (index in windows)
-        assert layer.length == (WINDOW - 1 if index in windows else 44)
+        assert layer.main.length == (WINDOW - 1 if index in windows else 44)
 
 
 def test_a_window_layer_outputs_eager_attention_for_the_same_inputs():
@@ -116,5 +116,5 @@ def test_a_hybrid_models_compressed_cache_stores_r_of_its_full_cache(method):
     reference = full.kv_bytes() * (3 * (WINDOW - 1) + 1008) / (3 * (WINDOW - 1) + 1000)  # + the 8 new tokens
     assert full.reference_bytes() == reference
     assert cache.kv_bytes() == pytest.approx(budget * reference, rel=0.01)
-    assert [layer.length for layer in cache.layers[:3]] == [WINDOW - 1] * 3
-    assert 0 < cache.layers[3].length < budget * 1008  # the global layer pays for the window layers too
+    assert [layer.main.length for layer in cache.layers[:3]] == [WINDOW - 1] * 3
+    assert 0 < cache.layers[3].main.length < budget * 1008  # the global layer pays for the window layers too

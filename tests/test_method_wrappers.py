@@ -308,7 +308,7 @@ def test_a_precision_stores_the_entries_of_any_method_in_int4(tiny_model, keep_l
     with torch.inference_mode():
         prefilled = prefill(tiny_model, ids, 8)
         coded, plain = (prefilled.cache.fork(m, 0.5, 8, budget_unit="entries") for m in (four, own))
-    assert all(set(layer.packed) == {"keys", "values"} for layer in coded.layers)
+    assert all(set(layer.main.packed) == {"keys", "values"} for layer in coded.layers)
     assert coded.seq_lengths() == plain.seq_lengths() and coded.kv_bytes() < 0.5 * plain.kv_bytes()
 
 

@@ -109,6 +109,6 @@ def test_mistral7b_two_layers_bf16_prefill_compress_decode():
             steps.append(logits)
     assert all(bool(torch.isfinite(step).all()) for step in steps)
     assert cache.get_seq_length() == PROMPT_LEN + 3
-    degrees = cache.layers[1].log_degree.exp().sum(-1)  # every original token is counted once
+    degrees = cache.layers[1].main.log_degree.exp().sum(-1)  # every original token is counted once
     assert torch.allclose(degrees, torch.full_like(degrees, PROMPT_LEN + 3), rtol=1e-3)
     assert math.isfinite(float(steps[-1].float().abs().max()))

@@ -184,7 +184,7 @@ model(ids, past_key_values=cache)
 reference = CompressedCache("full", 1.0, 0)
 model(ids, past_key_values=reference)
 layer, full = cache.layers[0], reference.layers[0]
-assert layer.length == 150, layer.length
+assert layer.main.length == 150, layer.main.length
 middle = full.keys[:, :, 16:-64][:, :, 1::2][:, :, : 150 - 80]  # the odd tokens of the middle
 assert torch.equal(layer.keys[:, :, 16:-64], middle)
 print("plugin ok")
