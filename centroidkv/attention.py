@@ -20,11 +20,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from centroidkv.cache import CompressedCache, CompressedLayer, causal_allowed
+from centroidkv.cache.cache import CompressedCache, CompressedLayer, causal_allowed
+from centroidkv.cache.fork_batch import ForkBatch, ForkBatchLayer
+from centroidkv.cache.planner import GroupPlanner
+from centroidkv.cache.window_layer import sliding_windows, window_attention
 from centroidkv.flex import fused_attention
-from centroidkv.fork_batch import ForkBatch, ForkBatchLayer
-from centroidkv.planner import GroupPlanner
-from centroidkv.window_layer import sliding_windows, window_attention
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -43,13 +43,13 @@ def degree_attention(
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
-    When the layer's head policy split its KV heads into groups (`centroidkv.head_group`),
+    When the layer's head policy split its KV heads into groups (`centroidkv.cache.head_group`),
     `key`/`value` hold the main group's heads only and the others are read from the layer: each
     group runs its own attention, a query head with the group of its KV head, and each group's records
     (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
     A hybrid model's window layer (`sliding_window` given) attends over its last W positions
-    (`centroidkv.window_layer`). The argument order is transformers' own (`dropout` before `scaling`):
+    (`centroidkv.cache.window_layer`). The argument order is transformers' own (`dropout` before `scaling`):
     wrappers from other libraries pass them positionally.
     """
     if attention_mask is not None:
@@ -119,7 +119,7 @@ def _split_attention(
     scale: float,
     dropout: float,
 ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-    """A layer whose heads are split in groups (`centroidkv.head_group`): each group runs its own
+    """A layer whose heads are split in groups (`centroidkv.cache.head_group`): each group runs its own
     attention, a query head with the group of its KV head; `key`/`value` are the main group's.
     Returns the output, and each group's queries and the attention its entries received."""
     groups = layer.groups
@@ -326,7 +326,7 @@ def _tell_cache(
 
 def bind_model(cache: CompressedCache, model: PreTrainedModel) -> None:
     """Tell `cache` about a prepared `model` as its first attention call would: for a cache built
-    without a forward of that model (a prefill read back from disk, `centroidkv.prefill_store`)."""
+    without a forward of that model (a prefill read back from disk, `centroidkv.plan.prefill_store`)."""
     config = attention_modules(model)[0].config  # a multimodal model's text configuration
     rotary = layer_rotaries(model, config.num_hidden_layers, getattr(config, "layer_types", None))
     _tell_cache(cache, config, weakref.ref(model), rotary, sliding_windows(config))

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT
-from centroidkv.cache import CompressedCache, causal_allowed
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT
+from centroidkv.cache.cache import CompressedCache, causal_allowed
 from centroidkv.calibrate import STREAMING_SINKS, check_score, worst_heads
 from centroidkv.methods import get_method
 from centroidkv.needs import query_window

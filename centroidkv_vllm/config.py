@@ -1,6 +1,6 @@
 """The plugin's settings, read from vLLM's `additional_config["centroidkv"]`, and what it refuses.
 
-Budgets follow the harness (`centroidkv.budget`, in entries): each request keeps B = R * (n + Gamma)
+Budgets follow the harness (`centroidkv.cache.budget`, in entries): each request keeps B = R * (n + Gamma)
 entries per layer and KV head, n its prompt length and Gamma `max_new_tokens`; it is compressed to B
 once the whole prompt is in (when n > B) and again whenever it has grown to B + g (g =
 `compress_interval`). The first `n_sink` and last `n_recent` entries are never merged.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from centroidkv.budget import check_budget
+from centroidkv.cache.budget import check_budget
 from centroidkv.errors import first_line
 from centroidkv.params import field_rules, param, param_errors
 

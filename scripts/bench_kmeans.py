@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
-from centroidkv.cache import causal_allowed
+from centroidkv.cache.cache import causal_allowed
 from centroidkv.methods import LayerKV, LayerStats
-from centroidkv.models import EMBEDDED_MODEL
+from centroidkv.models.loading import EMBEDDED_MODEL
 from centroidkv.needs import query_window
 
 
@@ -83,7 +83,7 @@ def rotary_embedding(head_dim: int):
     """Llama-3.1-8B's rotary embedding (rope theta and Llama-3 scaling) for keys of `head_dim`."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from centroidkv.models import paper_config
+    from centroidkv.models.loading import paper_config
 
     config = paper_config("random-llama3.1-8b")
     config.head_dim = head_dim

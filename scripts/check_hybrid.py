@@ -31,7 +31,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from centroidkv import CompressedCache, get_method, load_model
-    from centroidkv.window_layer import sliding_windows
+    from centroidkv.cache.window_layer import sliding_windows
     from eval.text import essay_text
 
     model, tokenizer = load_model(args.model)

@@ -95,10 +95,10 @@ def degrees(cache) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
-    from centroidkv.chat import chat_prompt_ids
-    from centroidkv.decoding import generate_from, needs_of, prefill
-    from centroidkv.models import EMBEDDED_MODEL
-    from centroidkv.plan import warm_up
+    from centroidkv.models.chat import chat_prompt_ids
+    from centroidkv.models.loading import EMBEDDED_MODEL
+    from centroidkv.plan.decoding import generate_from, needs_of, prefill
+    from centroidkv.plan.plan import warm_up
     from eval.benchmarks.ruler import generate_samples
     from eval.benchmarks.ruler.scoring import ruler_score
 

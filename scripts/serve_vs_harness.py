@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from centroidkv.methods import get_method
-from centroidkv.models import load_model
-from centroidkv.plan import Prompt, Run, run
+from centroidkv.models.loading import load_model
+from centroidkv.plan.plan import Prompt, Run, run
 from centroidkv_vllm.config import CentroidConfig
 
 MODEL = Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"

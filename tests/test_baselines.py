@@ -17,7 +17,7 @@ import torch
 
 from centroidkv import CompressedCache, get_method, load_model, method_names
 from centroidkv.methods import method_class
-from centroidkv.prefill_compressor import compresses_in_prefill
+from centroidkv.plan.prefill_compressor import compresses_in_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

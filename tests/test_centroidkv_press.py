@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, pipeline
 
-from centroidkv.decoding import decode_forks, prefill, start_fork
-from centroidkv.models import _embedded_dir
+from centroidkv.models.loading import _embedded_dir
+from centroidkv.plan.decoding import decode_forks, prefill, start_fork
 from eval.text import NOISE
 
 pytestmark = pytest.mark.usefixtures("one_thread")

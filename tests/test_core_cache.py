@@ -273,7 +273,7 @@ def test_budget_too_small_for_protected_tokens_shrinks_them_and_one_of_no_entry_
 def test_attention_with_received_equals_eager_softmax(q_len, block):
     """The blocked, triangle-skipping pass gives SDPA's output and the summed masked softmax."""
     from centroidkv.attention import attention_with_received
-    from centroidkv.cache import causal_allowed
+    from centroidkv.cache.cache import causal_allowed
 
     generator = torch.Generator().manual_seed(q_len)
     kv_len, q_heads, kv_heads = 50, 6, 2

@@ -17,9 +17,9 @@ from centroidkv.csm import (
     top_edges,
     unit_rows,
 )
-from centroidkv.decoding import generate_from, prefill
 from centroidkv.methods import LayerKV
 from centroidkv.needs import merge_rule
+from centroidkv.plan.decoding import generate_from, prefill
 from centroidkv.schedule import LinearSchedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -4,8 +4,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from centroidkv import CompressedCache, get_method
-from centroidkv.decoding import generate_from, prefill
-from centroidkv.models import _embedded_dir
+from centroidkv.models.loading import _embedded_dir
+from centroidkv.plan.decoding import generate_from, prefill
 from eval.text import NOISE
 
 FILLER = NOISE + " "  # the noise sentences, ready to repeat

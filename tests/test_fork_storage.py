@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from centroidkv import CompressedCache
-from centroidkv.cache import CompressedLayer
-from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
-from centroidkv.head_group import HeadGroup
+from centroidkv.cache.cache import CompressedLayer
+from centroidkv.cache.head_group import HeadGroup
+from centroidkv.plan.decoding import decode_forks, needs_of, prefill, start_fork
 from tests.test_head_policies import BUDGETS, NATIVE, NEW_TOKENS, UNDER, build, head_file, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

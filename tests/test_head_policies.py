@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from centroidkv import get_method
-from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
 from centroidkv.methods import method_class, method_names
-from centroidkv.prefill_compressor import compresses_in_prefill
+from centroidkv.plan.decoding import decode_forks, needs_of, prefill, start_fork
+from centroidkv.plan.prefill_compressor import compresses_in_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

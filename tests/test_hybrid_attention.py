@@ -1,4 +1,4 @@
-"""Hybrid local/global attention (`centroidkv.window_layer`): window layers attend over their last W
+"""Hybrid local/global attention (`centroidkv.cache.window_layer`): window layers attend over their last W
 positions under the degree-aware attention, keep W - 1 entries as transformers' own cache does, are
 never compressed, and their bytes count in the budget. Tiny random Gemma 3 and Qwen2 configurations
 built here, against transformers' eager attention and DynamicCache."""
@@ -11,7 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Qwen
 
 from centroidkv import CompressedCache, get_method, prepare_model
 from centroidkv.attention import degree_attention
-from centroidkv.window_layer import WindowLayer, sliding_windows
+from centroidkv.cache.window_layer import WindowLayer, sliding_windows
 
 WINDOW = 8
 

@@ -58,7 +58,7 @@ def twin(model, attn_implementation: str):
 
 
 def embedded_twin(attn_implementation: str):
-    from centroidkv.models import cache_dir
+    from centroidkv.models.loading import cache_dir
 
     path = cache_dir() / "smollm2-135m"
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation).eval()

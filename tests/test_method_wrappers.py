@@ -16,7 +16,7 @@ import torch
 
 import baselines
 import centroidkv
-from centroidkv.decoding import needs_of, prefill
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.methods import (
     REGISTRY,
     HeadPolicy,
@@ -31,7 +31,7 @@ from centroidkv.methods import (
     param,
     register,
 )
-from centroidkv.quantization import StorageFormat
+from centroidkv.plan.decoding import needs_of, prefill
 from centroidkv.schema import method_errors
 from centroidkv.wrapper import WRAPPERS, MethodWrapper, innermost, register_wrapper
 from tests.test_head_policies import head_file

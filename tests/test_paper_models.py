@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from centroidkv import CompressedCache, get_method, load_model
-from centroidkv.models import check_model_name, parse_model_name
+from centroidkv.models.loading import check_model_name, parse_model_name
 
 # The published config.json values (Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2-7B-Instruct).
 PUBLISHED = {

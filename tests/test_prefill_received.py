@@ -9,8 +9,8 @@ import torch
 
 import centroidkv.attention as attention
 from centroidkv.attention import attention_with_received, prefill_with_received
-from centroidkv.decoding import prefill
 from centroidkv.needs import ATTENTION_SUM
+from centroidkv.plan.decoding import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

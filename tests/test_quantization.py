@@ -1,4 +1,4 @@
-"""Storage precision as a budget axis (`centroidkv.quantization`, issue 30).
+"""Storage precision as a budget axis (`centroidkv.cache.quantization`, issue 30).
 
 The quantizer (packing, KIVI's axes, the error bound); on a tiny random model in bfloat16 (a 16-bit
 reference, as on a GPU): integer caches hold packed uint8 codes whose bytes, with every other tensor
@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from centroidkv import get_method, load_model
-from centroidkv.decoding import generate_from, needs_of, prefill
-from centroidkv.methods import method_label, method_variant
-from centroidkv.quantization import (
+from centroidkv.cache.quantization import (
     INTEGER_BITS,
     PackedCodes,
     StorageFormat,
@@ -26,6 +24,8 @@ from centroidkv.quantization import (
     quantize,
     unpack,
 )
+from centroidkv.methods import method_label, method_variant
+from centroidkv.plan.decoding import generate_from, needs_of, prefill
 from tests.test_embedded_model import needle_prompt
 from tests.test_fork_storage import check_own_and_counted
 from tests.test_head_policies import NATIVE, prompt

@@ -113,8 +113,8 @@ def test_a_dropped_file_is_listed_run_and_shown_under_its_label(dropped_method, 
     full = next(r for r in records if r["method"] == "full")
     assert 0 < ours[0]["kv_bytes"] < full["kv_bytes"]  # it really compressed
 
-    from scripts.figures import main as figures
-    from scripts.tables import main as tables
+    from scripts.reports.figures import main as figures
+    from scripts.reports.tables import main as tables
 
     assert tables([str(tmp_path / "results" / "dropin"), "--out", str(tmp_path / "tables")]) == 0
     table = (tmp_path / "tables" / "ruler_budget0.5.md").read_text()
@@ -125,7 +125,7 @@ def test_a_dropped_file_is_listed_run_and_shown_under_its_label(dropped_method, 
 
 def test_variants_are_shown_by_their_name(tmp_path):
     """Records with a `variant` are grouped and labelled by it; records without one by their class."""
-    from scripts.tables import load
+    from scripts.reports.tables import load
 
     base = dict(benchmark="ruler", task="niah_single_1", length=1024, status="ok", score=50.0)
     records = [

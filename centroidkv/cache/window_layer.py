@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from centroidkv.cache import CompressedCache, CompressedLayer
-from centroidkv.planner import GroupPlanner
+from centroidkv.cache.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.planner import GroupPlanner
 
 SLIDING = "sliding_attention"  # transformers' name of a window layer in `config.layer_types`
 
@@ -33,7 +33,7 @@ def sliding_windows(config) -> dict[int, int]:
 
 class WindowLayer(CompressedLayer):
     """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring), one
-    head group of role "window" (`centroidkv.head_group`: no records, the model's dtype, buffers of W)."""
+    head group of role "window" (`centroidkv.cache.head_group`: no records, the model's dtype, buffers of W)."""
 
     compresses = False
     main_role = "window"

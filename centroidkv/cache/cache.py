@@ -1,6 +1,6 @@
 """The compressed KV cache: keys, values and log-degrees per layer, and the paper's budget policy.
 
-Budget (docs/method.md, section 2; `centroidkv.budget`): B entries per compressed head, R * (n + Gamma)
+Budget (docs/method.md, section 2; `centroidkv.cache.budget`): B entries per compressed head, R * (n + Gamma)
 with `budget_unit="entries"`, or solved so that everything stored is R times a full cache of n + Gamma
 tokens with "bytes" (the default). A layer is compressed to B after the prefill when n > B, and again
 whenever it reaches B + g while decoding (g = `compress_interval`), at the end of its attention call
@@ -10,19 +10,19 @@ last tokens are never given to the method (shrunk for a prompt too short at the 
 `fit_protected`; `protected_used()` says what was kept). What a method needs recorded is declared by
 the method and kept by one mechanism (`centroidkv.needs`).
 
-A layer (`CompressedLayer`, `centroidkv.cache_layer`) is a list of head groups
-(`centroidkv.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
+A layer (`CompressedLayer`, `centroidkv.cache.cache_layer`) is a list of head groups
+(`centroidkv.cache.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
 at the layer's first compression, kept whole or favoured. What each group does is decided from this
 cache's settings, handed down as a value: on every call of a layer that needs it, the cache passes
-its `planner()` (`centroidkv.planner.GroupPlanner`: its settings as they are now), which turns a
-group's role and its layer's state into the group's `GroupPlan` (`centroidkv.group_plan`). So no
+its `planner()` (`centroidkv.cache.planner.GroupPlanner`: its settings as they are now), which turns a
+group's role and its layer's state into the group's `GroupPlan` (`centroidkv.cache.group_plan`). So no
 layer or group refers back up to the cache. In entries, heads kept whole are on top of B (as in the
 paper); in bytes every group is paid for by the compressed heads: once per compression the planner
-describes the cache's shape (`GroupPlanner.byte_shape`) and the pure `centroidkv.byte_plan.solve`
+describes the cache's shape (`GroupPlanner.byte_shape`) and the pure `centroidkv.cache.byte_plan.solve`
 turns it into B per layer. `kv_ratio()` relates `kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to
 one of n + Gamma tokens.
 
-Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
+Decoding writes in place (`centroidkv.cache.head_group`): every growing tensor is the live prefix of a
 buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
 `kv_capacity_bytes()` all the storage behind them; `CompressedCache(in_place=False)` concatenates.
 
@@ -40,16 +40,16 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
-from centroidkv.byte_plan import full_entries
-from centroidkv.cache_layer import CompressedLayer
-from centroidkv.group_plan import GroupPlan
-from centroidkv.head_group import storage_bytes
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
+from centroidkv.cache.byte_plan import full_entries
+from centroidkv.cache.cache_layer import CompressedLayer
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.head_group import storage_bytes
+from centroidkv.cache.planner import GroupPlanner, PlanMemo
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.head_policy import HeadPolicy
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
-from centroidkv.planner import GroupPlanner, PlanMemo
-from centroidkv.quantization import StorageFormat
 from centroidkv.storage_precision import StoragePrecision
 
 __all__ = ["CompressedCache", "CompressedLayer", "causal_allowed"]
@@ -73,10 +73,10 @@ class CompressedCache(Cache):
         methods that need them (a shared prefill records the needs of every method of a job).
       in_place: decode into preallocated buffers (module docstring); False concatenates every step.
       budget_unit: "bytes" (everything stored is R times a full cache of n + Gamma tokens) or
-        "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.budget`.
+        "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.cache.budget`.
     """
 
-    # The layer of a hybrid model's window layers: `centroidkv.window_layer.WindowLayer` registers itself
+    # The layer of a hybrid model's window layers: `centroidkv.cache.window_layer.WindowLayer` registers itself
     # here (it subclasses CompressedLayer, so this module cannot import it).
     window_layer_class: type[CompressedLayer] | None = None
 
@@ -110,12 +110,12 @@ class CompressedCache(Cache):
         self.budget_unit = budget_unit
         self.head_policy = HeadPolicy.of(method)  # which heads are listed, and what they keep
         self.storage: StorageFormat = StoragePrecision.of(method).storage  # how entries are stored
-        self._memo = PlanMemo()  # what its planners work out once (`centroidkv.planner`)
+        self._memo = PlanMemo()  # what its planners work out once (`centroidkv.cache.planner`)
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = tuple(name for name in recorded if not RECORDERS[name].window)
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
 
-    # --- the plans (centroidkv.planner) ---------------------------------------------------------
+    # --- the plans (centroidkv.cache.planner) ---------------------------------------------------------
     def planner(self) -> GroupPlanner:
         """This cache's settings as they are now, handed to a layer's call that needs plans."""
         return GroupPlanner(
@@ -153,7 +153,7 @@ class CompressedCache(Cache):
         return self.layers[layer_idx]
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
-        """An empty layer: a window layer of a hybrid model (`centroidkv.window_layer`), else compressed."""
+        """An empty layer: a window layer of a hybrid model (`centroidkv.cache.window_layer`), else compressed."""
         if layer_idx in self.sliding_windows:
             return self.window_layer_class(layer_idx, self.sliding_windows[layer_idx])
         return CompressedLayer(layer_idx)
@@ -200,7 +200,7 @@ class CompressedCache(Cache):
         needs: Iterable[Need] = (),
         budget_unit: str | None = None,
     ) -> CompressedCache:
-        """A new cache over the same entries (shared, never modified: `centroidkv.head_group`) with
+        """A new cache over the same entries (shared, never modified: `centroidkv.cache.head_group`) with
         another method or budget, already compressed: how one prefill serves many runs. This cache
         must have recorded what the method needs and `needs` (records to carry along)."""
         twin = CompressedCache(
@@ -300,7 +300,7 @@ class CompressedCache(Cache):
     def protected_used(self) -> dict[str, int | None]:
         """The protected windows the compressions kept, fewest over layers: `n_sink_used` and
         `n_recent_used` are the method's n_sink and n_recent unless a prompt too short for them at the
-        budget shrank them (`centroidkv.budget.fit_protected`); None before any compression."""
+        budget shrank them (`centroidkv.cache.budget.fit_protected`); None before any compression."""
         used = [layer.main.protected_used for layer in self.layers if layer.main.protected_used is not None]
         if not used:
             return {"n_sink_used": None, "n_recent_used": None}

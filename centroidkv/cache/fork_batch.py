@@ -20,8 +20,8 @@ from __future__ import annotations
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from centroidkv.cache import CompressedCache, CompressedLayer
-from centroidkv.planner import GroupPlanner
+from centroidkv.cache.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.planner import GroupPlanner
 
 
 class ForkBatchLayer(DynamicLayer):

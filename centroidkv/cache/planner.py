@@ -1,17 +1,17 @@
 """What a cache decides for its head groups, handed down to its layers as a value (`GroupPlanner`).
 
-A cache (`centroidkv.cache.CompressedCache`) holds the settings every plan depends on (its method,
+A cache (`centroidkv.cache.cache.CompressedCache`) holds the settings every plan depends on (its method,
 budget and budget unit, storage format, records, the model it serves, whether compression is
-paused); a layer (`centroidkv.cache_layer`) knows its own state (tokens seen, the prompt's length, its
+paused); a layer (`centroidkv.cache.cache_layer`) knows its own state (tokens seen, the prompt's length, its
 shape). On every call of a layer that needs plans, the cache hands the layer a `GroupPlanner`: the
 cache's settings as they are now. The layer asks it for each group's `GroupPlan`
-(`centroidkv.group_plan`), passing its own state as a value (`LayerState`). So values only go
+(`centroidkv.cache.group_plan`), passing its own state as a value (`LayerState`). So values only go
 down: a planner refers to no layer and no cache, and a layer refers to no planner between calls.
 
 This is the one place a group's role ("compressed", "whole", "favoured", "window") is turned into
 settings, and where a method's fields are read for a group. Two answers are worked out once and kept
 in the cache's `PlanMemo`, which every planner of that cache shares: the heads the head policy lists
-(they need the model), and in bytes each layer's B (`centroidkv.byte_plan.solve`), solved again only
+(they need the model), and in bytes each layer's B (`centroidkv.cache.byte_plan.solve`), solved again only
 when a compression sees another prompt or, with listed heads that grow, more tokens.
 """
 
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from centroidkv.budget import budget_entries
-from centroidkv.byte_plan import ByteShape, solve
-from centroidkv.group_plan import GroupPlan
+from centroidkv.cache.budget import budget_entries
+from centroidkv.cache.byte_plan import ByteShape, solve
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.head_policy import HeadPolicy, favoured_len
 from centroidkv.kv import LayerStats
 from centroidkv.methods import Method
-from centroidkv.quantization import StorageFormat
 
 # A head group's role: which plan its planner builds for it (`GroupPlanner.group_plan`).
 ROLES = ("compressed", "whole", "favoured", "window")
@@ -41,7 +41,7 @@ class LayerState:
     index: int
     prompt_len: int | None  # None before the prompt
     n_seen: int  # tokens seen
-    window: int | None  # a window layer's W (`centroidkv.window_layer`)
+    window: int | None  # a window layer's W (`centroidkv.cache.window_layer`)
     query_group: int  # query heads per KV head (as its first attention call found)
     # its shape, once it holds tokens (what a byte plan is solved for); 0 before
     batch: int = 0
@@ -65,7 +65,7 @@ class GroupPlanner:
 
     method: Method
     budget: float  # R
-    budget_unit: str  # "bytes" or "entries" (`centroidkv.budget`)
+    budget_unit: str  # "bytes" or "entries" (`centroidkv.cache.budget`)
     max_new_tokens: int  # Gamma
     in_place: bool
     storage: StorageFormat
@@ -102,7 +102,7 @@ class GroupPlanner:
         rotary = self.rotary[layer_idx] if self.rotary else None
         return LayerStats(layer_idx, self.n_layers, scaling, rotary=rotary)
 
-    # --- the plans (centroidkv.group_plan) -------------------------------------------------------
+    # --- the plans (centroidkv.cache.group_plan) -------------------------------------------------------
     def group_plan(self, layer: LayerState, role: str, with_budget: bool = True) -> GroupPlan:
         """What a group of `role` in `layer` does now. `with_budget=False` leaves the budget out (a
         fork's layer, whose cache has not all its layers yet)."""
@@ -148,7 +148,7 @@ class GroupPlanner:
             return favoured_len(budget, self.head_policy.heads_boost, layer.prompt_len + self.max_new_tokens)
         return budget
 
-    # --- the budget (centroidkv.cache's docstring; centroidkv.budget) ------------------------------
+    # --- the budget (centroidkv.cache.cache's docstring; centroidkv.cache.budget) ------------------------------
     def layer_budget_len(self, layer: LayerState) -> int:
         """B for `layer`: entries per compressed head, in the cache's budget unit."""
         if self.budget_unit == "entries" or not self.method.compresses:
@@ -170,7 +170,7 @@ class GroupPlanner:
             self.memo.byte_key, self.memo.byte_lengths = key, solve(self.byte_shape(layer))
 
     def byte_shape(self, layer: LayerState) -> ByteShape:
-        """What the byte plan depends on when `layer` compresses (`centroidkv.byte_plan.ByteShape`)."""
+        """What the byte plan depends on when `layer` compresses (`centroidkv.cache.byte_plan.ByteShape`)."""
         method, listed, n_layers = self.method, self.heads_listed(), self.n_layers
         return ByteShape(
             batch=layer.batch,

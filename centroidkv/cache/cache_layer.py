@@ -1,13 +1,13 @@
 """One layer of a compressed cache: its head groups, and when they store, record and compress.
 
-A layer (`CompressedLayer`) is a list of head groups (`centroidkv.head_group`): one until the head
+A layer (`CompressedLayer`) is a list of head groups (`centroidkv.cache.head_group`): one until the head
 policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression. It
 routes each group its heads' new tokens and queries, decides when a group is over its budget, and
 splits the heads. What each group should do (its budget, storage format, records) is its cache's
-decision: the cache hands the layer a `GroupPlanner` (`centroidkv.planner`) as an argument of every
-call that needs plans, the layer asks it for each group's `GroupPlan` (`centroidkv.group_plan`) with
+decision: the cache hands the layer a `GroupPlanner` (`centroidkv.cache.planner`) as an argument of every
+call that needs plans, the layer asks it for each group's `GroupPlan` (`centroidkv.cache.group_plan`) with
 its own state as a value (`state`), and hands the plan to the group. So a layer holds no reference
-to its cache, nor a group to its layer: the cache (`centroidkv.cache.CompressedCache`) imports this
+to its cache, nor a group to its layer: the cache (`centroidkv.cache.cache.CompressedCache`) imports this
 module, and nothing here calls back up.
 
 The entries are the groups' (`main.keys`, `group("whole").keys`, ...); the layer's own `keys` and
@@ -20,20 +20,20 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from centroidkv.group_plan import GroupPlan
-from centroidkv.head_group import HeadGroup, storage_bytes
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.head_group import HeadGroup, storage_bytes
+from centroidkv.cache.planner import GroupPlanner, LayerState
 from centroidkv.kv import LayerStats
-from centroidkv.planner import GroupPlanner, LayerState
 
 
 class CompressedLayer(DynamicLayer):
-    """One layer of the cache: a list of head groups (`centroidkv.head_group`), the first of which
+    """One layer of the cache: a list of head groups (`centroidkv.cache.head_group`), the first of which
     (`main`) holds the heads compressed to B; the others, once the method's head policy splits the
     layer, hold the listed heads (kept whole, or favoured with a larger budget)."""
 
-    compresses = True  # False for a hybrid model's window layers (`centroidkv.window_layer`)
+    compresses = True  # False for a hybrid model's window layers (`centroidkv.cache.window_layer`)
     main_role = "compressed"
-    window: int | None = None  # a window layer's W (`centroidkv.window_layer`)
+    window: int | None = None  # a window layer's W (`centroidkv.cache.window_layer`)
 
     def __init__(self, layer_idx: int):
         self.groups = [HeadGroup(self.main_role)]
@@ -57,9 +57,9 @@ class CompressedLayer(DynamicLayer):
         """The group of `role` ("whole", "favoured"), None when the layer has none."""
         return next((group for group in self.groups if group.role == role), None)
 
-    # --- the plans (centroidkv.planner) ----------------------------------------------------------
+    # --- the plans (centroidkv.cache.planner) ----------------------------------------------------------
     def state(self) -> LayerState:
-        """What its planner reads about this layer (`centroidkv.planner.LayerState`)."""
+        """What its planner reads about this layer (`centroidkv.cache.planner.LayerState`)."""
         keys = self.main.keys
         if keys is None or keys.dim() < 4:
             return LayerState(self.layer_idx, self.prompt_len, self.n_seen, self.window, self.query_group)
@@ -144,7 +144,7 @@ class CompressedLayer(DynamicLayer):
             plan.protected_windows()  # raises when the budget holds no entry; else shrinks them
 
     def capacity_bytes(self) -> int:
-        """Bytes allocated behind this layer's stored tensors (`centroidkv.head_group.storage_bytes`)."""
+        """Bytes allocated behind this layer's stored tensors (`centroidkv.cache.head_group.storage_bytes`)."""
         return storage_bytes([tensor for group in self.groups for tensor in group.held_tensors()])
 
     def stored_tensors(self) -> list[Tensor]:
