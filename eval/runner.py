@@ -52,8 +52,9 @@ class NoSuccessError(JobError):
 
 
 def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
-    """Mean score and mean of every table measurement (`centroidkv.plan.measurements`) per variant@budget, plus counts (records, failed, torn or corrupt
-    lines dropped from records.jsonl when the job resumed)."""
+    """Mean score and mean of every table measurement (`centroidkv.plan.measurements`) per
+    variant@budget, plus counts (records, failed, torn or corrupt lines dropped from records.jsonl when
+    the job resumed)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         groups[f"{record.get('variant') or record['method']}@{record['budget']:g}"].append(record)

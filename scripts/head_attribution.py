@@ -13,7 +13,8 @@ budget; one `heads_file` for all) and writes, per budget, two tables to `<result
 
 The best policy of a method is chosen on `--choose-on` (the dev factorial) when given, so that the
 test numbers are not the maximum of three noisy ones; otherwise on the records themselves (say so).
-A lead with P below 0.9, or on fewer than 10 samples, is not resolved (`scripts.reports.ranking.resolved_words`).
+A lead with P below 0.9, or on fewer than 10 samples, is not resolved
+(`scripts.reports.ranking.resolved_words`).
 """
 
 from __future__ import annotations

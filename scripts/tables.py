@@ -1,4 +1,5 @@
-"""The paper's tables from any set of results, as Markdown and LaTeX: the command line of `scripts.reports.tables` (`--help`).
+"""The paper's tables from any set of results, as Markdown and LaTeX: the command line of
+`scripts.reports.tables` (`--help`).
 
 python scripts/tables.py results/<experiment>            # -> results/<experiment>/tables/
 """

@@ -1,5 +1,6 @@
 """Values down (issue 52): a head group runs on the plan it is handed and refers to nothing above it,
-and the byte plan is a pure function of a frozen shape (`centroidkv.cache.group_plan`, `centroidkv.cache.byte_plan`)."""
+and the byte plan is a pure function of a frozen shape (`centroidkv.cache.group_plan`,
+`centroidkv.cache.byte_plan`)."""
 
 from __future__ import annotations
 

@@ -11,16 +11,16 @@ last tokens are never given to the method (shrunk for a prompt too short at the 
 the method and kept by one mechanism (`centroidkv.needs`).
 
 A layer (`CompressedLayer`, `centroidkv.cache.cache_layer`) is a list of head groups
-(`centroidkv.cache.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
-at the layer's first compression, kept whole or favoured. What each group does is decided from this
+(`centroidkv.cache.head_group`): one until the head policy (`centroidkv.head_policy`) splits the
+listed heads off at the layer's first compression, kept whole or favoured. What each group does is decided from this
 cache's settings, handed down as a value: on every call of a layer that needs it, the cache passes
 its `planner()` (`centroidkv.cache.planner.GroupPlanner`: its settings as they are now), which turns a
 group's role and its layer's state into the group's `GroupPlan` (`centroidkv.cache.group_plan`). So no
 layer or group refers back up to the cache. In entries, heads kept whole are on top of B (as in the
 paper); in bytes every group is paid for by the compressed heads: once per compression the planner
-describes the cache's shape (`GroupPlanner.byte_shape`) and the pure `centroidkv.cache.byte_plan.solve`
-turns it into B per layer. `kv_ratio()` relates `kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to
-one of n + Gamma tokens.
+describes the cache's shape (`GroupPlanner.byte_shape`) and the pure
+`centroidkv.cache.byte_plan.solve` turns it into B per layer. `kv_ratio()` relates `kv_bytes()` to a
+full cache of the tokens seen, `budget_ratio()` to one of n + Gamma tokens.
 
 Decoding writes in place (`centroidkv.cache.head_group`): every growing tensor is the live prefix of a
 buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
@@ -76,8 +76,8 @@ class CompressedCache(Cache):
         "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.cache.budget`.
     """
 
-    # The layer of a hybrid model's window layers: `centroidkv.cache.window_layer.WindowLayer` registers itself
-    # here (it subclasses CompressedLayer, so this module cannot import it).
+    # The layer of a hybrid model's window layers: `centroidkv.cache.window_layer.WindowLayer`
+    # registers itself here (it subclasses CompressedLayer, so this module cannot import it).
     window_layer_class: type[CompressedLayer] | None = None
 
     def __init__(
@@ -153,7 +153,8 @@ class CompressedCache(Cache):
         return self.layers[layer_idx]
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
-        """An empty layer: a window layer of a hybrid model (`centroidkv.cache.window_layer`), else compressed."""
+        """An empty layer: a window layer of a hybrid model (`centroidkv.cache.window_layer`), else
+        a compressed one."""
         if layer_idx in self.sliding_windows:
             return self.window_layer_class(layer_idx, self.sliding_windows[layer_idx])
         return CompressedLayer(layer_idx)

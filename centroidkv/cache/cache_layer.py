@@ -1,14 +1,14 @@
 """One layer of a compressed cache: its head groups, and when they store, record and compress.
 
-A layer (`CompressedLayer`) is a list of head groups (`centroidkv.cache.head_group`): one until the head
-policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression. It
-routes each group its heads' new tokens and queries, decides when a group is over its budget, and
-splits the heads. What each group should do (its budget, storage format, records) is its cache's
-decision: the cache hands the layer a `GroupPlanner` (`centroidkv.cache.planner`) as an argument of every
-call that needs plans, the layer asks it for each group's `GroupPlan` (`centroidkv.cache.group_plan`) with
-its own state as a value (`state`), and hands the plan to the group. So a layer holds no reference
-to its cache, nor a group to its layer: the cache (`centroidkv.cache.cache.CompressedCache`) imports this
-module, and nothing here calls back up.
+A layer (`CompressedLayer`) is a list of head groups (`centroidkv.cache.head_group`): one until the
+head policy (`centroidkv.head_policy`) splits the listed heads off at the layer's first compression.
+It routes each group its heads' new tokens and queries, decides when a group is over its budget,
+and splits the heads. What each group should do (its budget, storage format, records) is its
+cache's decision: the cache hands the layer a `GroupPlanner` (`centroidkv.cache.planner`) as an
+argument of every call that needs plans, the layer asks it for each group's `GroupPlan`
+(`centroidkv.cache.group_plan`) with its own state as a value (`state`), and hands the plan to the
+group. So a layer holds no reference to its cache, nor a group to its layer: the cache
+(`centroidkv.cache.cache.CompressedCache`) imports this module, and nothing here calls back up.
 
 The entries are the groups' (`main.keys`, `group("whole").keys`, ...); the layer's own `keys` and
 `values` are transformers' layer interface, for the libraries that use it (kvpress): the main group's.
@@ -27,8 +27,8 @@ from centroidkv.kv import LayerStats
 
 
 class CompressedLayer(DynamicLayer):
-    """One layer of the cache: a list of head groups (`centroidkv.cache.head_group`), the first of which
-    (`main`) holds the heads compressed to B; the others, once the method's head policy splits the
+    """One layer of the cache: a list of head groups (`centroidkv.cache.head_group`), the first of
+    which (`main`) holds the heads compressed to B; the others, once the method's head policy splits the
     layer, hold the listed heads (kept whole, or favoured with a larger budget)."""
 
     compresses = True  # False for a hybrid model's window layers (`centroidkv.cache.window_layer`)
@@ -144,7 +144,7 @@ class CompressedLayer(DynamicLayer):
             plan.protected_windows()  # raises when the budget holds no entry; else shrinks them
 
     def capacity_bytes(self) -> int:
-        """Bytes allocated behind this layer's stored tensors (`centroidkv.cache.head_group.storage_bytes`)."""
+        """Bytes allocated behind this layer's stored tensors (`head_group.storage_bytes`)."""
         return storage_bytes([tensor for group in self.groups for tensor in group.held_tensors()])
 
     def stored_tensors(self) -> list[Tensor]:

@@ -148,7 +148,7 @@ class GroupPlanner:
             return favoured_len(budget, self.head_policy.heads_boost, layer.prompt_len + self.max_new_tokens)
         return budget
 
-    # --- the budget (centroidkv.cache.cache's docstring; centroidkv.cache.budget) ------------------------------
+    # --- the budget (centroidkv.cache.cache's docstring; centroidkv.cache.budget) ---------------------
     def layer_budget_len(self, layer: LayerState) -> int:
         """B for `layer`: entries per compressed head, in the cache's budget unit."""
         if self.budget_unit == "entries" or not self.method.compresses:

@@ -33,7 +33,8 @@ def sliding_windows(config) -> dict[int, int]:
 
 class WindowLayer(CompressedLayer):
     """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring), one
-    head group of role "window" (`centroidkv.cache.head_group`: no records, the model's dtype, buffers of W)."""
+    head group of role "window" (`centroidkv.cache.head_group`: no records, the model's dtype,
+    buffers of W)."""
 
     compresses = False
     main_role = "window"

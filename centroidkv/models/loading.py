@@ -245,7 +245,8 @@ def load_model(
     """Load a model with degree-aware attention, and its tokenizer (None for random models).
 
     `name`: a registered name, a local folder saved with `save_pretrained` or a .gguf file (text or a
-    path), or a Hugging Face id (`centroidkv.models.model_names.model_kind`). Defaults: float32 on CPU, bfloat16 on GPU.
+    path), or a Hugging Face id (`centroidkv.models.model_names.model_kind`). Defaults: float32 on
+    CPU, bfloat16 on GPU.
     `n_layers` (random-* models only; the same as the `:N` name suffix) keeps the first layers. Random
     weights come from `seed`. An architecture whose attention the harness cannot run is one
     ValueError line (`check_architecture`), before any prefill, and so is a tokenizer with more tokens

