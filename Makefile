@@ -83,7 +83,7 @@ $(SERVE_STAMP): pyproject.toml
 
 # The plugin's own tests, in the serving venv: all of them (`make test` leaves out those marked slow).
 # The plugin serves the embedded model as the harness converts it (GGUF -> a transformers folder).
-CONVERT_EMBEDDED = $(PYTHON) -c "from centroidkv.models import converted_dir; converted_dir('smollm2-135m')"
+CONVERT_EMBEDDED = $(PYTHON) -c "from centroidkv.models.loading import converted_dir; converted_dir('smollm2-135m')"
 # The plugin's C++ decode loop, built before the engines start (about 40 s once, then cached by torch;
 # without a compiler: one warning, and the plugin keeps its PyTorch attention).
 BUILD_DECODE_LOOP = $(SERVE_BIN)/python -c "from centroidkv_vllm.compiled import compiled; compiled()"

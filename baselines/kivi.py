@@ -5,7 +5,7 @@ Quantization for KV Cache", ICML 2024 (arXiv 2402.02750). Every token keeps its 
 no merging); the entries are stored as asymmetric min-max integer codes, keys grouped per channel over
 `kv_group` consecutive tokens (key outliers sit in fixed channels), values per token over groups of
 `kv_group` channels, and the newest `kv_residual` tokens stay in full precision until a whole group
-can be quantized. The codes, scales and zeros are implemented by `centroidkv.quantization`, which any
+can be quantized. The codes, scales and zeros are implemented by `centroidkv.cache.quantization`, which any
 method takes through the storage precision that wraps it (`kv_precision`, `centroidkv.storage_precision`);
 this method is the full cache with KIVI's settings (`wrapper_params`).
 

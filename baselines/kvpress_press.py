@@ -9,7 +9,7 @@ How it runs:
   on this harness's model (our attention runs under kvpress's attention wrapper) and on this
   harness's `CompressedCache`. With `share_prefill` (the default) one prefill of the context serves
   every press and budget of a job: after each layer, each press runs its own hook on that layer's
-  call against its own fork of the cache (`PressTap`, a `centroidkv.decoding.PrefillTap`), while
+  call against its own fork of the cache (`PressTap`, a `centroidkv.plan.decoding.PrefillTap`), while
   the prefill goes on with the full cache (the same forward as a prefill of its own, tested). Its
   compression time is its `compress_s`. Presses that do more than hook one forward (`OWN_PREFILL`,
   with the reasons) and every press under `share_prefill=false` get their own prefill per
@@ -18,7 +18,7 @@ How it runs:
 - Protocol: context-only, kvpress's own: the context is prefilled and compressed, then the question
   is fed and the answer decoded on the compressed cache. Records of a press always say
   `protocol: context_only`.
-- Budget: a press keeps B = int(R * (n + Gamma)) entries (`centroidkv.budget.budget_entries`) for an
+- Budget: a press keeps B = int(R * (n + Gamma)) entries (`centroidkv.cache.budget.budget_entries`) for an
   n-token context and Gamma = max_new_tokens: its `compression_ratio` is 1 - B / n (nudged so that
   kvpress's int(n * (1 - ratio)) is exactly B). A press stores keys and values only, so B is the same
   under both budget units. A press not set by a compression ratio is refused (one line).
@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from centroidkv.attention import attention_modules
-from centroidkv.budget import budget_entries
+from centroidkv.cache.budget import budget_entries
 from centroidkv.errors import first_line
 from centroidkv.methods import LayerKV, LayerStats, Method, register
 from centroidkv.params import did_you_mean, param
@@ -305,7 +305,7 @@ def seeded_rng(state: list[Tensor] | None = None) -> Iterator[list[Tensor]]:
 
 class PressTap:
     """One press's run on a prefill shared with other presses (a sharing `PrefillRun` of
-    `centroidkv.prefill_compressor`, i.e. a `centroidkv.decoding.PrefillTap`).
+    `centroidkv.plan.prefill_compressor`, i.e. a `centroidkv.plan.decoding.PrefillTap`).
 
     After each attention layer it runs the press's own forward hook on that layer's call, with the
     fork as the cache: the press reads the layer's full keys and values and leaves its compressed
@@ -360,7 +360,7 @@ class PressTap:
 
 
 class OwnPrefillPress:
-    """One press's run with a prefill of its own (a `centroidkv.prefill_compressor.PrefillRun`):
+    """One press's run with a prefill of its own (a `centroidkv.plan.prefill_compressor.PrefillRun`):
     kvpress's own way, its context manager around the whole prefill forward. A `PrefillDecodingPress`
     stays active while the run decodes (its decoding half compresses then). Always decoded alone."""
 
@@ -468,7 +468,7 @@ class KVPress(Method):
     def prefill_run(
         self, model, budget: float, context_len: int, max_new_tokens: int, share_prefill: bool
     ) -> PressTap | OwnPrefillPress:
-        """This press's run on one prompt (a `PrefillCompressor`, `centroidkv.prefill_compressor`): a
+        """This press's run on one prompt (a `PrefillCompressor`, `centroidkv.plan.prefill_compressor`): a
         tap of the shared prefill when it may share it, else its own prefill (`OWN_PREFILL`)."""
         press = build_press(self.press, self.press_params, ratio_for(budget, context_len, max_new_tokens))
         if share_prefill and not own_prefill_reason(press):

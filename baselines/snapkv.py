@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from baselines._select import top_k_in_order
-from centroidkv.cache import causal_allowed
+from centroidkv.cache.cache import causal_allowed
 from centroidkv.methods import LayerKV, LayerStats, Method, Need, param, register
 from centroidkv.needs import query_window
 

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "ATTN_IMPLEMENTATION": "centroidkv.attention",
     "prepare_model": "centroidkv.attention",
-    "CompressedCache": "centroidkv.cache",
+    "CompressedCache": "centroidkv.cache.cache",
     "LayerKV": "centroidkv.kv",
     "LayerStats": "centroidkv.kv",
     "Method": "centroidkv.methods",
     "get_method": "centroidkv.methods",
     "method_names": "centroidkv.methods",
     "register": "centroidkv.methods",
-    "load_model": "centroidkv.models",
-    "load_tokenizer": "centroidkv.models",
+    "load_model": "centroidkv.models.loading",
+    "load_tokenizer": "centroidkv.models.loading",
 }
 
 __all__ = [
@@ -42,10 +42,10 @@ __all__ = [
 
 if TYPE_CHECKING:  # for type checkers and editors: the eager imports
     from centroidkv.attention import ATTN_IMPLEMENTATION, prepare_model
-    from centroidkv.cache import CompressedCache
+    from centroidkv.cache.cache import CompressedCache
     from centroidkv.kv import LayerKV, LayerStats
     from centroidkv.methods import Method, get_method, method_names, register
-    from centroidkv.models import load_model, load_tokenizer
+    from centroidkv.models.loading import load_model, load_tokenizer
 
 
 def __getattr__(name: str) -> Any:

@@ -4,8 +4,9 @@ A cached entry of degree n stands for n original tokens, so its logit gets + log
 softmax(q k^T / sqrt(d) + log n). For n exact duplicates this is exact: one entry with weight n
 equals n identical entries. With all degrees 1 the function is plain causal SDPA.
 
-The function reaches its cache layer through `module.kv_layer`, set before every attention call by a
-forward pre-hook that reads the `past_key_values` argument (no model forward is copied or patched).
+The function reaches its cache layer through `module.kv_layer` (and the cache's settings it hands
+the layer, `module.kv_planner`), set before every attention call by a forward pre-hook that reads
+the `past_key_values` argument (no model forward is copied or patched).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from centroidkv.cache import CompressedCache, CompressedLayer, causal_allowed
+from centroidkv.cache.cache import CompressedCache, CompressedLayer, causal_allowed
+from centroidkv.cache.fork_batch import ForkBatch, ForkBatchLayer
+from centroidkv.cache.planner import GroupPlanner
+from centroidkv.cache.window_layer import sliding_windows, window_attention
 from centroidkv.flex import fused_attention
-from centroidkv.fork_batch import ForkBatch, ForkBatchLayer
-from centroidkv.window_layer import sliding_windows, window_attention
 
 ATTN_IMPLEMENTATION = "centroidkv"
 
@@ -41,30 +43,37 @@ def degree_attention(
 
     The q new tokens are the last q entries of the cache, so the causal mask is aligned to the
     bottom-right corner (physical lengths differ from positions once the cache is compressed).
-    When the layer's head policy split its KV heads into groups (`centroidkv.head_group`),
+    When the layer's head policy split its KV heads into groups (`centroidkv.cache.head_group`),
     `key`/`value` hold the main group's heads only and the others are read from the layer: each
     group runs its own attention, a query head with the group of its KV head, and each group's records
     (windows, accumulated attention) see only its own query heads. Under a `ForkBatch` (forks of one prefill
     decoded together) row f runs against fork f's own layer.
     A hybrid model's window layer (`sliding_window` given) attends over its last W positions
-    (`centroidkv.window_layer`). The argument order is transformers' own (`dropout` before `scaling`):
+    (`centroidkv.cache.window_layer`). The argument order is transformers' own (`dropout` before `scaling`):
     wrappers from other libraries pass them positionally.
     """
     if attention_mask is not None:
         raise NotImplementedError(
             "centroidkv attention builds its own causal mask; custom masks are not supported"
         )
-    layer = getattr(module, "kv_layer", None)
+    layer, planner = getattr(module, "kv_layer", None), getattr(module, "kv_planner", None)
     window = kwargs.get("sliding_window")
     if isinstance(layer, ForkBatchLayer):  # forks decoded together: each row with its own fork's entries
         rows = [
             layer_attention(
-                query[row : row + 1], fork.read("keys"), fork.read("values"), fork, scaling, dropout, window
+                query[row : row + 1],
+                fork.read("keys"),
+                fork.read("values"),
+                fork,
+                planner,
+                scaling,
+                dropout,
+                window,
             )
-            for row, fork in enumerate(layer.forks)
+            for row, (fork, planner) in enumerate(zip(layer.forks, layer.planners(), strict=True))
         ]
         return torch.cat(rows), None
-    return layer_attention(query, key, value, layer, scaling, dropout, window), None
+    return layer_attention(query, key, value, layer, planner, scaling, dropout, window), None
 
 
 def layer_attention(
@@ -72,29 +81,33 @@ def layer_attention(
     key: Tensor,
     value: Tensor,
     layer: CompressedLayer | None,
+    planner: GroupPlanner | None,
     scaling: float | None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
 ) -> Tensor:
-    """`degree_attention` against one cache layer (None: plain causal attention) -> [B, q, Hq, D]."""
+    """`degree_attention` against one cache layer (None: plain causal attention) -> [B, q, Hq, D];
+    `planner`: the layer's cache's settings (`CompressedCache.planner`), handed to the layer after."""
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     if sliding_window is not None:  # a hybrid model's window layer: never compressed, degrees all 1
         if layer is not None and layer.compresses:
             raise RuntimeError(f"layer {layer.layer_idx} has a sliding window but its cache compresses it")
         output = window_attention(query, key, value, sliding_window, scaling)
         if layer is not None:
-            layer.after_attention(query, scale)
+            layer.after_attention(planner, query, scale)
         return output
     if layer is None:
         return _group_attention(query, key, value, None, scaling, scale, dropout, False)[0]
-    if not layer.split:
+    if not layer.is_split():
         main = layer.main
         output, received = _group_attention(
             query, key, value, main.log_degree, scaling, scale, dropout, main.tracks_attention
         )
-        layer.after_attention(query, scale, received)
+        layer.after_attention(planner, query, scale, received)
         return output
-    return _split_attention(query, key, value, layer, scaling, scale, dropout)
+    output, queries, received = _split_attention(query, key, value, layer, scaling, scale, dropout)
+    layer.after_attention(planner, queries, scale, received)
+    return output
 
 
 def _split_attention(
@@ -105,9 +118,10 @@ def _split_attention(
     scaling: float | None,
     scale: float,
     dropout: float,
-) -> Tensor:
-    """A layer whose heads are split in groups (`centroidkv.head_group`): each group runs its own
-    attention, a query head with the group of its KV head; `key`/`value` are the main group's."""
+) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+    """A layer whose heads are split in groups (`centroidkv.cache.head_group`): each group runs its own
+    attention, a query head with the group of its KV head; `key`/`value` are the main group's.
+    Returns the output, and each group's queries and the attention its entries received."""
     groups = layer.groups
     group_size = query.shape[1] // sum(len(group.heads) for group in groups)
     by_kv_head = query.unflatten(1, (-1, group_size))  # [B, Hkv, group, q, D]
@@ -120,10 +134,9 @@ def _split_attention(
         )
         outputs.append(output.unflatten(2, (-1, group_size)))
         received.append(got)
-    layer.after_attention(queries, scale, received)
     # back to the model's head order: KV head h's query heads are rows h * group .. h * group + group - 1
     order = torch.cat([group.heads for group in groups]).argsort()
-    return torch.cat(outputs, dim=2)[:, :, order].flatten(2, 3)
+    return torch.cat(outputs, dim=2)[:, :, order].flatten(2, 3), queries, received
 
 
 def _group_attention(
@@ -294,11 +307,12 @@ def _bind_cache_layer(
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if isinstance(cache, CompressedCache) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         _tell_cache(cache, module.config, model_ref, rotary, windows)
-        module.kv_layer = cache.layer(module.layer_idx)
+        module.kv_layer, module.kv_planner = cache.layer(module.layer_idx), cache.planner()
     elif isinstance(cache, ForkBatch) and module.config._attn_implementation == ATTN_IMPLEMENTATION:
         module.kv_layer = cache.layers[module.layer_idx]  # its forks were bound when they were prefilled
+        module.kv_planner = None  # each fork's own: `ForkBatchLayer.planners`
     else:
-        module.kv_layer = None
+        module.kv_layer = module.kv_planner = None
 
 
 def _tell_cache(
@@ -312,14 +326,14 @@ def _tell_cache(
 
 def bind_model(cache: CompressedCache, model: PreTrainedModel) -> None:
     """Tell `cache` about a prepared `model` as its first attention call would: for a cache built
-    without a forward of that model (a prefill read back from disk, `centroidkv.prefill_store`)."""
+    without a forward of that model (a prefill read back from disk, `centroidkv.plan.prefill_store`)."""
     config = attention_modules(model)[0].config  # a multimodal model's text configuration
     rotary = layer_rotaries(model, config.num_hidden_layers, getattr(config, "layer_types", None))
     _tell_cache(cache, config, weakref.ref(model), rotary, sliding_windows(config))
 
 
 def _unbind_cache_layer(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-    module.kv_layer = None  # the model must not keep the last cache alive
+    module.kv_layer = module.kv_planner = None  # the model must not keep the last cache alive
 
 
 def rotary_embedding(model: nn.Module) -> nn.Module | None:

@@ -59,9 +59,9 @@ def head_file_key(model_name: str) -> str:
     """The file-name stem of a model's head files: a registered model's canonical name, a depth
     written `-<N>layers` (`random-llama3.1-8b:2` -> `random-llama3.1-8b-2layers`) so that two depths of
     one model never share a file; a folder, .gguf file or hub id by its identity (its last part and a
-    hash of its place and configuration: `centroidkv.model_names.model_identity`). A name only the
+    hash of its place and configuration: `centroidkv.models.model_names.model_identity`). A name only the
     user's code knows (`prepare_model(model, "mine")`) is kept, its `/` written `--`."""
-    from centroidkv.model_specs import head_file_identity_of
+    from centroidkv.models.model_specs import head_file_identity_of
 
     try:
         name = head_file_identity_of(model_name)
@@ -75,7 +75,7 @@ def head_file_key(model_name: str) -> str:
 
 def user_head_dir() -> Path:
     """Where user calibrations live: `<cache dir>/outlier_heads` (`$CENTROIDKV_CACHE`)."""
-    from centroidkv.model_names import cache_dir
+    from centroidkv.models.model_names import cache_dir
 
     return cache_dir() / "outlier_heads"
 

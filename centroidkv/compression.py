@@ -2,7 +2,7 @@
 
 The first `n_sink` and the last `n_recent` entries are protected (kept as they are); the method
 compresses the middle to what is left (`Method.compress`). Nothing here knows where the tensors come
-from: the harness's cache (`centroidkv.head_group`) calls it on a group's entries, and a serving
+from: the harness's cache (`centroidkv.cache.head_group`) calls it on a group's entries, and a serving
 engine can call it on entries gathered from its blocks.
 """
 

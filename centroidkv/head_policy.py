@@ -82,7 +82,7 @@ def compressed_fraction(ratio: float, listed_fraction: float, boost: float = mat
 def model_shape_or_none(model_name: str) -> tuple[int, int] | None:
     """(layers, KV heads) of a named model without loading it; None when unknown (a hub model not in
     the local cache, or a name the config validation reports on its own)."""
-    from centroidkv.model_specs import model_shape
+    from centroidkv.models.model_specs import model_shape
 
     try:
         return model_shape(model_name)
@@ -167,9 +167,9 @@ class HeadPolicy(MethodWrapper):
     def check_calibrated(self, model_name: str) -> None:
         """Before `model_name` is installed, converted or loaded: `CalibrationMissing` (one line) when
         the policy needs a head file of it that is not there. A model whose shape is not known without
-        loading it (`centroidkv.model_specs.model_shape`) is checked when it loads instead."""
+        loading it (`centroidkv.models.model_specs.model_shape`) is checked when it loads instead."""
         from centroidkv.calibrate import needed_head_file
-        from centroidkv.model_specs import model_shape
+        from centroidkv.models.model_specs import model_shape
 
         shape = model_shape(model_name)
         if self.lists_heads and shape is not None:

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT
-from centroidkv.cache import CompressedCache, causal_allowed
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT
+from centroidkv.cache.cache import CompressedCache, causal_allowed
 from centroidkv.calibrate import STREAMING_SINKS, check_score, worst_heads
 from centroidkv.methods import get_method
 from centroidkv.needs import query_window
@@ -78,14 +78,16 @@ def _head_errors(model, prompts: list[Tensor], budget: float, score: str, n_quer
         model(ids, past_key_values=full, logits_to_keep=1)
         compressed = full.fork(method, budget).layers if method else [None] * len(full.layers)
         rows = []
-        for reference, layer in zip(full.layers, compressed, strict=True):
-            queries = reference.queries
-            expected = head_attention(queries, reference.keys, reference.values, None, reference.scaling)
+        for full_layer, layer in zip(full.layers, compressed, strict=True):
+            reference, scaling = full_layer.main, full_layer.scaling
+            queries = reference.windows.get("queries")
+            expected = head_attention(queries, reference.keys, reference.values, None, scaling)
             if layer is None:
                 keys, values = streaming_window(reference.keys, reference.values, budget)
-                got = head_attention(queries, keys, values, None, reference.scaling)
+                got = head_attention(queries, keys, values, None, scaling)
             else:
-                got = head_attention(queries, layer.keys, layer.values, layer.log_degree, reference.scaling)
+                group = layer.main
+                got = head_attention(queries, group.keys, group.values, group.log_degree, scaling)
             n_kv_heads = reference.keys.shape[1]
             rows.append(
                 (kv_head_energy(got - expected, n_kv_heads) / kv_head_energy(expected, n_kv_heads)).sqrt()
@@ -116,9 +118,12 @@ def needle_mass(model, prompts: list[Tensor], needles: list[Tensor], n_queries: 
             model(ids, past_key_values=full, logits_to_keep=1)
             rows = []
             for layer in full.layers:
-                probabilities = head_probabilities(layer.queries, layer.keys, None, layer.scaling)
-                mass = probabilities[..., positions.to(layer.keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
-                rows.append(mass.unflatten(0, (layer.keys.shape[1], -1)).mean(dim=1))
+                group = layer.main
+                probabilities = head_probabilities(
+                    group.windows.get("queries"), group.keys, None, layer.scaling
+                )
+                mass = probabilities[..., positions.to(group.keys.device)].sum(-1).mean(dim=(0, 2))  # [Hq]
+                rows.append(mass.unflatten(0, (group.keys.shape[1], -1)).mean(dim=1))
             scores = torch.stack(rows)
             total = scores if total is None else total + scores
     return total / len(prompts)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from centroidkv.files import write_atomic
-from centroidkv.model_names import MODEL_NAMES, cache_dir
+from centroidkv.models.model_names import MODEL_NAMES, cache_dir
 from centroidkv.params import did_you_mean, param_errors
 from centroidkv.parsing import parse_method_spec, shorthand_error
 from centroidkv.registry import METHOD_ENTRY_POINTS

@@ -1,9 +1,9 @@
 """The storage precision: how the cache stores a method's keys and values, a wrapper around any method
-(`centroidkv.wrapper`; the codes themselves: `centroidkv.quantization`).
+(`centroidkv.wrapper`; the codes themselves: `centroidkv.cache.quantization`).
 
 Parameters (every method takes them; `get_method("snapkv", kv_precision="int4")`):
   kv_precision: "model" (the model's dtype, nothing converted: the default), "bf16", "fp16", or KIVI's
-    integer codes "int8" / "int4" / "int2" (`centroidkv.quantization.PRECISIONS`).
+    integer codes "int8" / "int4" / "int2" (`centroidkv.cache.quantization.PRECISIONS`).
   kv_group: tokens (keys) or channels (values) per group of integer codes, a power of two that
     divides the head size (KIVI: 32).
   kv_residual: the newest tokens kept in the model's dtype until a whole group can be coded (KIVI: 128).
@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from centroidkv.params import param
-from centroidkv.quantization import (
+from centroidkv.cache.quantization import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
     GROUP_RULE,
@@ -27,6 +26,7 @@ from centroidkv.quantization import (
     RESIDUAL_RULE,
     StorageFormat,
 )
+from centroidkv.params import param
 from centroidkv.wrapper import MethodWrapper, register_wrapper
 
 OWN_DTYPE = ("model", None)  # a run's kv_precision when its entries stay in the model's dtype

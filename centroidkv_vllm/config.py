@@ -1,6 +1,6 @@
 """The plugin's settings, read from vLLM's `additional_config["centroidkv"]`, and what it refuses.
 
-Budgets follow the harness (`centroidkv.budget`, in entries): each request keeps B = R * (n + Gamma)
+Budgets follow the harness (`centroidkv.cache.budget`, in entries): each request keeps B = R * (n + Gamma)
 entries per layer and KV head, n its prompt length and Gamma `max_new_tokens` (with `heads="whole"`
 the calibrated heads keep every token and B is solved in bytes over both parts, as the harness's
 default CentroidKV does: `centroidkv_vllm.heads`); it is compressed to B
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from centroidkv.budget import check_budget
+from centroidkv.cache.budget import check_budget
 from centroidkv.errors import first_line
 from centroidkv.params import field_rules, param, param_errors
 

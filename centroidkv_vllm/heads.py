@@ -3,7 +3,7 @@ per-request side store that holds their entries.
 
 The harness's CentroidKV keeps a calibrated list of (layer, KV head) pairs whole (every token, never
 merged: `centroidkv.head_policy`) and compresses the other heads to B entries, B solved so that both
-parts together store R times a full cache of n + Gamma tokens (`centroidkv.byte_plan.solve`, called
+parts together store R times a full cache of n + Gamma tokens (`centroidkv.cache.byte_plan.solve`, called
 here with the same shape the harness's cache describes; the heads kept whole grow while decoding, so
 B is solved again at every compression, as in the harness).
 
@@ -66,9 +66,9 @@ class HeadLayout:
 
     def budget_at(self, config: CentroidConfig, prompt_len: int) -> Callable[[int], int]:
         """B of a compression at computed length `seen` (a function of `seen`, cached), for a request
-        whose prompt (anchor) is `prompt_len`: `centroidkv.byte_plan.solve` on the shape the harness's
+        whose prompt (anchor) is `prompt_len`: `centroidkv.cache.byte_plan.solve` on the shape the harness's
         `CompressedCache.byte_shape` builds (batch 1, no window layers)."""
-        from centroidkv.byte_plan import ByteShape, solve
+        from centroidkv.cache.byte_plan import ByteShape, solve
         from centroidkv.head_policy import HeadPolicy
         from centroidkv.needs import RECORDERS, gather_needs
         from centroidkv.storage_precision import StoragePrecision

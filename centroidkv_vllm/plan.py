@@ -7,7 +7,7 @@ anything: both apply this rule to what they both see, the request's computed len
 
 - The **anchor** a is the computed length at the request's first step out of prefill (computed >= its
   prompt length; n for a request that was never preempted). Its budget is B = R (a + Gamma)
-  (`centroidkv.budget.budget_entries`, the harness's budget in entries).
+  (`centroidkv.cache.budget.budget_entries`, the harness's budget in entries).
 - At the anchor the request is compressed to B entries if a > B; afterwards it is compressed back to B
   whenever it holds B + g entries (the harness's `CompressedLayer.needs_compression`).
 - Layout: after a compression at computed length L the B entries are stored in the slots of the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from centroidkv.budget import budget_entries
+from centroidkv.cache.budget import budget_entries
 
 
 @dataclass(frozen=True)

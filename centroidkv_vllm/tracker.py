@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from centroidkv.budget import fit_protected
+from centroidkv.cache.budget import fit_protected
 from centroidkv.centroidkv import CentroidKV
 from centroidkv.compression import compress_protected
 from centroidkv.kv import LayerKV, LayerStats

@@ -56,7 +56,7 @@ def engine_args(
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "seed": 0,
-        "trust_remote_code": False,  # never run code a model folder ships (centroidkv.model_files)
+        "trust_remote_code": False,  # never run code a model folder ships (centroidkv.models.model_files)
     }
     if settings is not None:
         args["additional_config"] = {"centroidkv": settings}

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from centroidkv.budget import check_protected_fit, protected_entries
+from centroidkv.cache.budget import check_protected_fit, protected_entries
 from centroidkv.calibrate import (
     HEAD_SCORES,
     CalibrationMissing,
@@ -34,7 +34,7 @@ from centroidkv.calibrate import (
 )
 from centroidkv.errors import first_line
 from centroidkv.head_policy import HeadPolicy
-from centroidkv.model_names import EMBEDDED_MODEL, declared_positions
+from centroidkv.models.model_names import EMBEDDED_MODEL, declared_positions
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -66,7 +66,7 @@ def needle_prompts(tokenizer, n_prompts: int, n_tokens: int) -> tuple[list[Tenso
     evaluated) and, for each, the positions of the tokens that spell its answers in the context."""
     import torch
 
-    from centroidkv.chat import chat_text
+    from centroidkv.models.chat import chat_text
     from eval.benchmarks.ruler.tasks import generate_samples
 
     per_task = {  # prompt i is sample i // len(NEEDLE_TASKS) of task i % len(NEEDLE_TASKS)
@@ -115,7 +115,7 @@ def calibrate(
     none is given): the clustering score on the dev essays, the needle and streaming scores on dev
     needle prompts (`needle_prompts`)."""
     if tokenizer is None:
-        from centroidkv.models import load_tokenizer
+        from centroidkv.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(name)
     from centroidkv.head_scores import calibrate_heads
@@ -163,7 +163,7 @@ def calibrate_missing(model, methods: Iterable[Method]) -> None:
 def check_calibratable(name: str) -> None:
     """Raise one ValueError line for a model that cannot be calibrated: a tiny model's 512-token
     vocabulary cannot take the essays' tokens (the embedded tokenizer's 49k)."""
-    from centroidkv.model_names import TINY_MODELS
+    from centroidkv.models.model_names import TINY_MODELS
 
     if name in TINY_MODELS:
         raise ValueError(f"{name}: tiny models have no tokenizer to calibrate on")
@@ -185,9 +185,9 @@ def check_writable(path: Path) -> None:
 def check_window_fits(budget: float, n_tokens: int) -> None:
     """Raise one ValueError line when CentroidKV's defaults at `budget` keep fewer entries of an
     `n_tokens`-token window than their protected tokens. The arithmetic is the cache's
-    (`centroidkv.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
+    (`centroidkv.cache.budget`), with no head kept whole; in bytes the cache keeps slightly fewer
     (per-entry records), so a window at the very edge still fails in the cache, with one line too."""
-    from centroidkv.budget import budget_entries
+    from centroidkv.cache.budget import budget_entries
     from centroidkv.methods import get_method
 
     method = get_method("centroidkv", heads="none")
@@ -208,7 +208,7 @@ def check_tokens_fit(name: str, n_tokens: int) -> None:
     model's positions are read without torch (`declared_positions`), the others' with transformers."""
     positions = declared_positions(name)
     if positions is None:
-        from centroidkv.model_specs import max_positions
+        from centroidkv.models.model_specs import max_positions
 
         positions = max_positions(name)
     if positions is not None and n_tokens > positions:
@@ -267,8 +267,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _checked(args: argparse.Namespace) -> tuple[str, Path]:
     """The model's name and the file to write, once every value is checked (ValueError, one line)."""
-    from centroidkv.budget import check_budget
-    from centroidkv.model_names import canonical_model_name, model_kind
+    from centroidkv.cache.budget import check_budget
+    from centroidkv.models.model_names import canonical_model_name, model_kind
 
     kind = model_kind(args.model)
     name = canonical_model_name(args.model) if kind == "registered" else args.model
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 2
-    from centroidkv.models import load_model
+    from centroidkv.models.loading import load_model
 
     try:  # a hub model offline, gated or missing: one line
         model, tokenizer = load_model(name)

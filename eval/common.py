@@ -13,9 +13,12 @@ Tokenizer = Any  # a Hugging Face tokenizer; kept loose so that tests may pass l
 
 
 def resolve_tokenizer(tokenizer: Tokenizer | str) -> Tokenizer:
-    """A tokenizer object, or a model name of `centroidkv.models` (then loaded, cached by that module)."""
+    """A tokenizer object, or a model name of `centroidkv.models.loading` (then loaded, cached by that
+    module)."""
     if isinstance(tokenizer, str):
-        from centroidkv.models import load_tokenizer  # imported late: model code is not needed otherwise
+        from centroidkv.models.loading import (
+            load_tokenizer,  # imported late: model code is not needed otherwise
+        )
 
         return load_tokenizer(tokenizer)
     return tokenizer

@@ -17,7 +17,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from centroidkv.measurements import table_measurements
+from centroidkv.plan.measurements import table_measurements
 from eval.records import NAME_MAX
 
 FORMAT_VERSION = 1

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from centroidkv.budget import (
+from centroidkv.cache.budget import (
     DEFAULT_BUDGET_UNIT,
     budget_entries,
     check_budget,
@@ -29,9 +29,9 @@ from centroidkv.budget import (
 )
 from centroidkv.errors import first_line
 from centroidkv.head_policy import HeadPolicy, compressed_fraction
-from centroidkv.model_names import declared_positions
+from centroidkv.models.model_names import declared_positions
 from centroidkv.params import did_you_mean
-from centroidkv.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
+from centroidkv.plan.run_options import DEFAULT_DECODE_BATCH, check_decode_batch
 from eval.benchmarks import Benchmark, benchmark_names, build_benchmark
 from eval.records import NAME_MAX
 from eval.run_config import ConfigError, LoggerConfig, MethodSpec, ModelConfig, PrefillStoreConfig, RunConfig
@@ -56,8 +56,8 @@ def store_configs() -> None:
     """Register Hydra's `model/<name>`, `method/<name>` and `benchmark/<name>` options, built from
     the registries.
 
-    Each model of `centroidkv.models.MODEL_NAMES` becomes `model=<name>` (dtype and device null: the
-    defaults of `centroidkv.models`); each registered method (the library's, one module in
+    Each model of `centroidkv.models.loading.MODEL_NAMES` becomes `model=<name>` (dtype and device null: the
+    defaults of `centroidkv.models.loading`); each registered method (the library's, one module in
     `baselines/`, or from an entry point) becomes `method=<name>` with `params` = its dataclass
     defaults, the only place defaults live, and `budget` = DEFAULT_BUDGET; each benchmark of
     `eval.benchmarks` becomes `benchmark=<name>` with its dataclass defaults. Call before Hydra
@@ -366,7 +366,7 @@ def build_run_config(
 
 def _positions_errors(model_name: str, benchmark: Benchmark) -> list[str]:
     """A line when a length (prompt and new tokens, RULER and NIAH) exceeds the model's positions,
-    where they are known without torch (`centroidkv.model_names.declared_positions`)."""
+    where they are known without torch (`centroidkv.models.model_names.declared_positions`)."""
     positions = declared_positions(model_name)
     if positions is None or not benchmark.length_is_tokens:
         return []
@@ -402,7 +402,7 @@ def _budget_errors(
     - in bytes, heads the method keeps whole (CentroidKV's outlier heads) that alone take the budget;
     - a budget that keeps no entry at all at the benchmark's shortest length, when a length counts the
       sample's prompt and new tokens (RULER, NIAH): every sample would fail at its first compression
-      (one too small for the protected windows shrinks them: `centroidkv.budget.fit_protected`). In
+      (one too small for the protected windows shrinks them: `centroidkv.cache.budget.fit_protected`). In
       bytes the compressed heads' share is estimated (`centroidkv.head_policy.compressed_fraction`); the
       cache checks the exact one at run time."""
     from centroidkv import get_method
@@ -436,7 +436,7 @@ def _budget_errors(
             )
             continue
         kept = budget_entries(fraction, shortest, 0)  # a length counts the prompt and the new tokens
-        if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.quantization)
+        if budget_unit == "bytes":  # fewer bits per entry buy more entries (centroidkv.cache.quantization)
             import torch
 
             kept = StoragePrecision.of(method).storage.entries_in(kept, getattr(torch, dtype).itemsize)

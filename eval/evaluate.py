@@ -1,11 +1,11 @@
 """The evaluation of one sample: its prompt through every (method variant, budget), into records.
 
-The library's per-prompt plan (`centroidkv.plan.run`) runs every (variant, budget) of a sample in one
+The library's per-prompt plan (`centroidkv.plan.plan.run`) runs every (variant, budget) of a sample in one
 call: one shared prefill for the native methods, kvpress's presses compressing forks of a shared
 prefill of the context (`share_prefill`, default) or their own, the forks decoded up to
 `decode_batch` at a time as the rows of one batch. This module only turns a sample into the plan's
 prompt and the plan's outcomes into records: the prediction and its score, the measurements
-(`centroidkv.measurements`, by their record names) and the run's fields (`prefill_shared`,
+(`centroidkv.plan.measurements`, by their record names) and the run's fields (`prefill_shared`,
 `decode_batch`, a press's `kv_masked`); a failure gives a failed record.
 """
 
@@ -16,12 +16,12 @@ import traceback
 from collections.abc import Iterator
 
 from centroidkv import get_method
-from centroidkv.budget import DEFAULT_BUDGET_UNIT
-from centroidkv.decoding import eos_token_ids
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT
 from centroidkv.errors import first_line
-from centroidkv.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
-from centroidkv.prefill_compressor import compresses_in_prefill
-from centroidkv.prefill_store import PrefillStore, open_store
+from centroidkv.plan.decoding import eos_token_ids
+from centroidkv.plan.plan import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, Outcome, Prompt, Run, run
+from centroidkv.plan.prefill_compressor import compresses_in_prefill
+from centroidkv.plan.prefill_store import PrefillStore, open_store
 from eval.benchmarks import Benchmark, Sample
 from eval.run_config import MethodSpec, RunConfig
 from eval.samples import sample_id, sample_prompt
@@ -92,7 +92,7 @@ class Evaluator:
     def run_prompt(
         self, prompt: Prompt, specs: list[MethodSpec], max_new_tokens: int, eos: set[int], stored: bool = True
     ) -> list[Outcome]:
-        """Every run of `specs` on `prompt` (`centroidkv.plan.run`); `stored`: through the prefill store
+        """Every run of `specs` on `prompt` (`centroidkv.plan.plan.run`); `stored`: through the prefill store
         when the job has one (the warm-up's prompt is not kept)."""
         runs = [Run(self.methods[spec], spec.budget) for spec in specs]
         return run(

@@ -25,7 +25,7 @@ from typing import Any
 
 from centroidkv.calibrate import PACKAGED_DIR, user_head_dir
 from centroidkv.files import write_atomic
-from centroidkv.model_names import MODEL_NAMES, cache_dir, model_identity
+from centroidkv.models.model_names import MODEL_NAMES, cache_dir, model_identity
 from centroidkv.schema import fingerprint
 from eval.job_names import override_hash
 from eval.job_store import JobStore

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT
-from centroidkv.model_names import check_model_name
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT
+from centroidkv.models.model_names import check_model_name
 from centroidkv.params import did_you_mean
-from centroidkv.run_options import DEFAULT_DECODE_BATCH
+from centroidkv.plan.run_options import DEFAULT_DECODE_BATCH
 from eval.benchmarks import Benchmark
 
 LOGGERS = ("wandb", "none")
@@ -32,13 +32,13 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    dtype: str | None = None  # None: `centroidkv.models.default_dtype` of the device
-    device: str | None = None  # None: `centroidkv.models.default_device`
+    dtype: str | None = None  # None: `centroidkv.models.loading.default_dtype` of the device
+    device: str | None = None  # None: `centroidkv.models.loading.default_device`
 
     def resolved(self) -> tuple[str, str]:
         """(device, dtype) the model will run with: the harness passes both to `load_model`, so a job's
         identity names them before the model loads (a CPU job resumed on a GPU would change dtype)."""
-        from centroidkv.models import default_device, default_dtype
+        from centroidkv.models.loading import default_device, default_dtype
 
         device = self.device or default_device()
         dtype = self.dtype or str(default_dtype(device)).removeprefix("torch.")
@@ -140,7 +140,7 @@ class LoggerConfig:
 @dataclass(frozen=True)
 class PrefillStoreConfig:
     """Where the native prefills are kept for later jobs on the same model and prompts
-    (`centroidkv.prefill_store`): at most `max_gb` gigabytes (0: no store, the default) in `dir`
+    (`centroidkv.plan.prefill_store`): at most `max_gb` gigabytes (0: no store, the default) in `dir`
     (None: `<cache dir>/prefills`). Not in the job's identity: it changes no record but
     `prefill_stored`."""
 
@@ -184,7 +184,7 @@ class RunConfig:
     methods: tuple[MethodSpec, ...]
     benchmark: Benchmark
     logger: LoggerConfig
-    budget_unit: str = DEFAULT_BUDGET_UNIT  # what a budget R counts (centroidkv.budget)
+    budget_unit: str = DEFAULT_BUDGET_UNIT  # what a budget R counts (centroidkv.cache.budget)
     retry_failed: bool = False
     warmup: bool = True
     overwrite: bool = False  # a job folder holding another config's records: set them aside, start again

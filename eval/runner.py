@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from centroidkv.errors import first_line
-from centroidkv.hub_probe import offline_unless_reachable
-from centroidkv.measurements import table_measurements
+from centroidkv.models.hub_probe import offline_unless_reachable
+from centroidkv.plan.measurements import table_measurements
 from eval.evaluate import Evaluator
 from eval.job_store import JobStore
 from eval.machine_load import machine_load
@@ -52,8 +52,9 @@ class NoSuccessError(JobError):
 
 
 def summarize(records: list[dict], n_dropped_lines: int = 0) -> dict[str, Any]:
-    """Mean score and mean of every table measurement (`centroidkv.measurements`) per variant@budget, plus counts (records, failed, torn or corrupt
-    lines dropped from records.jsonl when the job resumed)."""
+    """Mean score and mean of every table measurement (`centroidkv.plan.measurements`) per
+    variant@budget, plus counts (records, failed, torn or corrupt lines dropped from records.jsonl when
+    the job resumed)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         groups[f"{record.get('variant') or record['method']}@{record['budget']:g}"].append(record)
@@ -204,7 +205,7 @@ def load_for(cfg: RunConfig) -> tuple[Any, Any, list]:
     """The job's model, tokenizer and samples, with the head files its methods need (calibrated now
     when missing, never inside a compression); SetupError (one line) when any of it fails."""
     from centroidkv import get_method
-    from centroidkv.model_names import HUB_MODELS, model_kind
+    from centroidkv.models.model_names import HUB_MODELS, model_kind
     from eval.calibrate import calibrate_missing
 
     if cfg.model.name in HUB_MODELS or model_kind(cfg.model.name) == "hub" or cfg.benchmark.needs_hub:

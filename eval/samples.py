@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from centroidkv.chat import chat_text, split_ids
-from centroidkv.plan import CONTEXT_ONLY, FULL_PROMPT, Prompt
+from centroidkv.models.chat import chat_text, split_ids
+from centroidkv.plan.plan import CONTEXT_ONLY, FULL_PROMPT, Prompt
 from eval.benchmarks import Sample
 
 

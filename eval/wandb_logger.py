@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from centroidkv.measurements import table_measurements
+from centroidkv.plan.measurements import table_measurements
 from eval.run_config import RunConfig
 
-# The samples table: who and what, then every table measurement (`centroidkv.measurements`).
+# The samples table: who and what, then every table measurement (`centroidkv.plan.measurements`).
 RECORD_COLUMNS = ("task", "sample_id", "method", "variant", "budget", "status", "score")
 
 

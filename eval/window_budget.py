@@ -1,9 +1,9 @@
 """Whether a method's window of recent queries alone takes a byte budget, known before the model loads.
 
-In bytes the cache counts everything it stores (`CompressedCache.plan_budget`): a method that scores
-with the last `window_size` queries (SnapKV, PyramidKV) stores them for every query head, whatever its
-budget, so at a small budget on a short prompt that window alone can take the whole budget, and every
-record would then fail at its first compression.
+In bytes the cache counts everything it stores (`centroidkv.cache.planner.GroupPlanner.solve_budget`): a
+method that scores with the last `window_size` queries (SnapKV, PyramidKV) stores them for every query
+head, whatever its budget, so at a small budget on a short prompt that window alone can take the
+whole budget, and every record would then fail at its first compression.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from centroidkv.needs import RECORDERS
 
 def query_group(model_name: str) -> int:
     """Query heads per KV head of a model, from its configuration where that is known without loading
-    it (`centroidkv.model_specs.known_config`); 1 when unknown (the smallest: a check built on it never
+    it (`centroidkv.models.model_specs.known_config`); 1 when unknown (the smallest: a check built on it never
     refuses a budget that fits)."""
-    from centroidkv.model_specs import known_config
+    from centroidkv.models.model_specs import known_config
 
     config = known_config(model_name) or {}
     query_heads = config.get("num_attention_heads")

@@ -68,7 +68,7 @@ def load_model_for(cfg: RunConfig) -> tuple[Any, Any]:
     import torch
 
     from centroidkv import load_model, load_tokenizer
-    from centroidkv.model_names import EMBEDDED_MODEL
+    from centroidkv.models.model_names import EMBEDDED_MODEL
 
     device, dtype = cfg.model.resolved()
     model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
-from centroidkv.decoding import needs_of, prefill  # noqa: E402
-from centroidkv.models import EMBEDDED_MODEL  # noqa: E402
+from centroidkv.models.loading import EMBEDDED_MODEL  # noqa: E402
+from centroidkv.plan.decoding import needs_of, prefill  # noqa: E402
 from eval.text import essay_text  # noqa: E402
 
 CONFIGS = {

@@ -9,7 +9,7 @@ would reach. Decoding runs long enough (`--new-tokens`, default 2 g) to include 
 A last row per length decodes with plain `model.generate` (transformers' DynamicCache and SDPA);
 "vs generate" is our full-cache TPOT over its TPOT (target <= 1.05).
 
-Part 2: decode step time per storage precision (`centroidkv.quantization`): the full cache decoded
+Part 2: decode step time per storage precision (`centroidkv.cache.quantization`): the full cache decoded
 alone (one fork, as `decode_batch=1`) in the model's dtype, bf16, fp16 and KIVI's int8 / int4 / int2
 codes, at `--precision-lengths` (4k and 8k), so the cost of dequantizing each step is visible beside
 the bytes it saves.
@@ -32,10 +32,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from centroidkv.cache.quantization import PRECISIONS
 from centroidkv.csm import csm_round
 from centroidkv.methods import LayerKV
-from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
-from centroidkv.quantization import PRECISIONS
+from centroidkv.models.loading import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 from eval.text import NOISE
 
 FILLER = NOISE + " "  # the noise sentences, ready to repeat
@@ -119,7 +119,7 @@ def generate_tpot(model, ids: torch.Tensor, new_tokens: int) -> float:
 
 def decode_table(args: argparse.Namespace) -> None:
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import decode_forks, prefill, start_fork
+    from centroidkv.plan.decoding import decode_forks, prefill, start_fork
 
     model, tokenizer = load_model(args.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -177,7 +177,7 @@ def decode_table(args: argparse.Namespace) -> None:
 def precision_table(args: argparse.Namespace) -> None:
     """Part 2: TPOT of the full cache alone at each storage precision, one prefill per length."""
     from centroidkv import get_method, load_model
-    from centroidkv.decoding import generate_from, prefill
+    from centroidkv.plan.decoding import generate_from, prefill
 
     model, tokenizer = load_model(args.model)
     device = next(model.parameters()).device

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
-from centroidkv.cache import causal_allowed
+from centroidkv.cache.cache import causal_allowed
 from centroidkv.methods import LayerKV, LayerStats
-from centroidkv.models import EMBEDDED_MODEL
+from centroidkv.models.loading import EMBEDDED_MODEL
 from centroidkv.needs import query_window
 
 
@@ -83,7 +83,7 @@ def rotary_embedding(head_dim: int):
     """Llama-3.1-8B's rotary embedding (rope theta and Llama-3 scaling) for keys of `head_dim`."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from centroidkv.models import paper_config
+    from centroidkv.models.loading import paper_config
 
     config = paper_config("random-llama3.1-8b")
     config.head_dim = head_dim
@@ -169,19 +169,20 @@ def error_table(args: argparse.Namespace) -> dict[str, float]:
     errors: dict[str, list[float]] = {"centroidkv": [], "kmeans": []}
     n_sink, n_recent = csm.n_sink, csm.n_recent
     for layer in recorder.layers:
-        length = layer.length
+        group = layer.main
+        length = group.length
         middle = slice(n_sink, length - n_recent)
         target = int(args.ratio * length) - n_sink - n_recent
-        zeros = torch.zeros(layer.keys.shape[:3])
-        reference = attention_output(layer.queries, layer.keys, layer.values, zeros, layer.scaling)
-        records = {name: record[:, :, middle] for name, record in layer.extras.items()}  # positions
-        segment = LayerKV(layer.keys[:, :, middle], layer.values[:, :, middle], zeros[:, :, middle], records)
+        zeros = torch.zeros(group.keys.shape[:3])
+        reference = attention_output(group.windows["queries"], group.keys, group.values, zeros, layer.scaling)
+        records = {name: record[:, :, middle] for name, record in group.extras.items()}  # positions
+        segment = LayerKV(group.keys[:, :, middle], group.values[:, :, middle], zeros[:, :, middle], records)
         stats = LayerStats(
             layer.layer_idx,
             len(recorder.layers),
             layer.scaling,
-            dict(layer.windows),
-            layer.keys,
+            dict(group.windows),
+            group.keys,
             zeros,
             rotary=recorder.rotary[layer.layer_idx] if recorder.rotary else None,  # one table per layer
         )
@@ -192,9 +193,9 @@ def error_table(args: argparse.Namespace) -> dict[str, float]:
                 return torch.cat([full[:, :, :n_sink], new, full[:, :, length - n_recent :]], dim=2)
 
             output = attention_output(
-                layer.queries,
-                splice(layer.keys, kept.keys),
-                splice(layer.values, kept.values),
+                group.windows["queries"],
+                splice(group.keys, kept.keys),
+                splice(group.values, kept.values),
                 splice(zeros, kept.log_degree),
                 layer.scaling,
             )

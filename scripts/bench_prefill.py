@@ -1,6 +1,6 @@
 """Prefill at the machine's limit: a prefill's achieved GFLOP/s beside a large matmul's, in one run.
 
-For each prompt length, one prefill through the harness's own path (`centroidkv.decoding.prefill`,
+For each prompt length, one prefill through the harness's own path (`centroidkv.plan.decoding.prefill`,
 a full cache, degree-aware attention) is timed, and its FLOPs are counted from the model's shapes:
 2 FLOPs per multiply-add of every linear layer for every prompt token (the output projection for the
 last token only: the prefill keeps one logit row), plus the causal attention, q k^T and p v over the
@@ -29,7 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from centroidkv.errors import first_line
-from centroidkv.models import check_model_name
+from centroidkv.models.loading import check_model_name
 from eval.machine_load import machine_load
 
 
@@ -93,7 +93,7 @@ def prefill_flops(model: nn.Module, length: int) -> dict[str, float]:
 
 def time_prefill(model: nn.Module, length: int, needs: list) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of one prefill of `length` deterministic token ids recording `needs`."""
-    from centroidkv.decoding import prefill
+    from centroidkv.plan.decoding import prefill
 
     vocab = model.config.vocab_size
     ids = (torch.arange(length) * 7919 % (vocab - 10) + 10).unsqueeze(0)
@@ -104,8 +104,8 @@ def time_prefill(model: nn.Module, length: int, needs: list) -> tuple[float, flo
 
 def measure(args: argparse.Namespace) -> list[dict]:
     from centroidkv import load_model
-    from centroidkv.decoding import needs_of
     from centroidkv.methods import get_method
+    from centroidkv.plan.decoding import needs_of
 
     torch.set_num_threads(args.threads)
     model = load_model(args.model)[0]

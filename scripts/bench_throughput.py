@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from centroidkv.models import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
+from centroidkv.models.loading import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 
 DEFAULT_RUNS = ("full:1", "centroidkv:0.5", "centroidkv:0.25", "streaming_llm:0.25")
 
@@ -115,7 +115,7 @@ def method_for(name: str, model_name: str):
     there CentroidKV keeps no outlier heads whole, since calibrating random weights would only
     measure noise (and, on an 8B-shaped model, take minutes before anything is timed)."""
     from centroidkv import get_method
-    from centroidkv.models import RANDOM_MODELS, parse_model_name
+    from centroidkv.models.loading import RANDOM_MODELS, parse_model_name
 
     if name == "centroidkv" and parse_model_name(model_name)[0] in RANDOM_MODELS:
         return get_method(name, heads="none")
@@ -129,7 +129,7 @@ def decode_run(model, ids: torch.Tensor, method, budget: float, new_tokens: int)
     `method`: a Method or a registered name. Peak memory counts the buffers (`kv_capacity_bytes`):
     what the cache holds allocated, headroom for the next decoded tokens included."""
     from centroidkv import CompressedCache
-    from centroidkv.timing import Timer
+    from centroidkv.plan.timing import Timer
 
     cache = CompressedCache(method, budget, max_new_tokens=new_tokens)
     timer = Timer(ids.device)
@@ -149,7 +149,7 @@ def decode_run(model, ids: torch.Tensor, method, budget: float, new_tokens: int)
 
 def timed_steps(model, logits, cache, steps: int, timer, after_step=lambda: None) -> list[float]:
     """`steps` greedy decode steps after the prefill's `logits`, each timed by `timer` (a
-    `centroidkv.timing.Timer`); `after_step()` runs after each one, outside its time."""
+    `centroidkv.plan.timing.Timer`); `after_step()` runs after each one, outside its time."""
     token = logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for _ in range(steps):

@@ -31,7 +31,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from centroidkv import CompressedCache, get_method, load_model
-    from centroidkv.window_layer import sliding_windows
+    from centroidkv.cache.window_layer import sliding_windows
     from eval.text import essay_text
 
     model, tokenizer = load_model(args.model)
@@ -57,7 +57,9 @@ def main() -> None:
         print(
             f"full method vs stock sdpa: largest logit difference {worst:.2e}; greedy tokens agree: {agree}"
         )
-        kept = sorted({layer.length for index, layer in enumerate(ours_cache.layers) if index in windows})
+        kept = sorted(
+            {layer.main.length for index, layer in enumerate(ours_cache.layers) if index in windows}
+        )
         print(f"window layers keep {kept} entries; full cache KV ratio {ours_cache.kv_ratio():.3f}")
         for name in ("centroidkv", "snapkv", "streaming_llm"):
             cache = CompressedCache(get_method(name, heads="none"), args.budget, args.steps)
@@ -69,7 +71,7 @@ def main() -> None:
             print(
                 f"{name} at R={args.budget:g}: stores {cache.budget_ratio():.4f} of a full cache of the same "
                 f"model (window layers included); global layers keep "
-                f"{[layer.length for index, layer in enumerate(cache.layers) if index not in windows]}"
+                f"{[layer.main.length for index, layer in enumerate(cache.layers) if index not in windows]}"
             )
 
 

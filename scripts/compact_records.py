@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from centroidkv.measurements import table_measurements  # noqa: E402
+from centroidkv.plan.measurements import table_measurements  # noqa: E402
 from eval.compact_store import FORMAT_VERSION, SUFFIX, read_compact  # noqa: E402
 from eval.job_store import iter_records  # noqa: E402
 from eval.records import CONFIG, KEY_FIELDS, RECORDS  # noqa: E402
@@ -123,7 +123,7 @@ def default_tables_folder(compact: Path) -> Path:
 def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[Path]:
     """The tables of `scripts/tables.py` from the compact file alone, and (`figures`) the figures of
     `scripts/figures.py` in the `figures` folder beside them."""
-    from scripts.tables import load_or_error, write_tables
+    from scripts.reports.tables import load_or_error, write_tables
 
     with tempfile.TemporaryDirectory() as temporary:
         expand(compact, Path(temporary))
@@ -131,7 +131,7 @@ def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[
         if isinstance(df, str):
             raise ValueError(df)
         written = write_tables(df, out)
-        from scripts.table_files import write_text
+        from scripts.reports.table_files import write_text
         from scripts.wrong_answers import counts_text, wrong_answer_counts
 
         counts = wrong_answer_counts(df)
@@ -139,7 +139,7 @@ def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[
             written.append(out / "wrong_answers.md")
             write_text(written[-1], counts_text(counts))
         if figures:
-            from scripts.figures import make_figures
+            from scripts.reports.figures import make_figures
 
             written += make_figures(df, out.parent / "figures")
         return written

@@ -88,17 +88,17 @@ def decode_step_times(model: torch.nn.Module) -> Iterator[list[float]]:
 
 def degrees(cache) -> tuple[float, float]:
     """Mean and largest degree over the entries of the compressed heads (heads kept whole excluded)."""
-    degree = torch.cat([layer.degrees_or_zeros().exp().flatten() for layer in cache.layers])
+    degree = torch.cat([layer.main.degrees_or_zeros().exp().flatten() for layer in cache.layers])
     return degree.mean().item(), degree.max().item()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from centroidkv import get_method, load_model
-    from centroidkv.chat import chat_prompt_ids
-    from centroidkv.decoding import generate_from, needs_of, prefill
-    from centroidkv.models import EMBEDDED_MODEL
-    from centroidkv.plan import warm_up
+    from centroidkv.models.chat import chat_prompt_ids
+    from centroidkv.models.loading import EMBEDDED_MODEL
+    from centroidkv.plan.decoding import generate_from, needs_of, prefill
+    from centroidkv.plan.plan import warm_up
     from eval.benchmarks.ruler import generate_samples
     from eval.benchmarks.ruler.scoring import ruler_score
 

@@ -32,9 +32,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
-from centroidkv.decoding import generate_from, needs_of, prefill  # noqa: E402
-from centroidkv.models import EMBEDDED_MODEL  # noqa: E402
+from centroidkv.models.loading import EMBEDDED_MODEL  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
+from centroidkv.plan.decoding import generate_from, needs_of, prefill  # noqa: E402
 from eval.benchmarks.ruler import needles  # noqa: E402
 from eval.benchmarks.ruler.constants import TASKS  # noqa: E402
 from eval.benchmarks.ruler.scoring import string_match_all  # noqa: E402
@@ -93,8 +93,8 @@ def needle_fate(cache, n_marked: int) -> torch.Tensor:
     haystack / evicted, over all KV heads."""
     rows = []
     for layer in cache.layers:
-        mark = layer.extras[NEEDLE.name]  # [B, H_c, T]
-        degree = layer.degrees_or_zeros().exp()
+        mark = layer.main.extras[NEEDLE.name]  # [B, H_c, T]
+        degree = layer.main.degrees_or_zeros().exp()
         n_heads = len(layer.head_lengths())
         single = degree < 1.5
         intact = (mark * single).sum()

@@ -1,4 +1,4 @@
-"""The command line of `centroidkv.generate`: one prompt through several methods.
+"""The command line of `centroidkv.plan.generate`: one prompt through several methods.
 
     python scripts/generate.py --context essay.txt --question "What is the magic number?" \\
         --methods "full,centroidkv,snapkv(window_size=16)" --budget 0.25
@@ -31,12 +31,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from centroidkv.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget  # noqa: E402
+from centroidkv.cache.budget import BUDGET_UNITS, DEFAULT_BUDGET_UNIT, check_budget  # noqa: E402
 from centroidkv.errors import first_line  # noqa: E402
 from centroidkv.files import file_problem, is_file, read_file_text  # noqa: E402
-from centroidkv.generate import Answer, generate  # noqa: E402
-from centroidkv.hub_probe import offline_unless_reachable  # noqa: E402
-from centroidkv.model_names import (  # noqa: E402
+from centroidkv.models.hub_probe import offline_unless_reachable  # noqa: E402
+from centroidkv.models.model_names import (  # noqa: E402
     EMBEDDED_MODEL,
     HUB_MODELS,
     MODEL_NAMES,
@@ -44,13 +43,14 @@ from centroidkv.model_names import (  # noqa: E402
     model_kind,
     parse_model_name,
 )
+from centroidkv.models.prompt_fit import check_fits, prompt_length, truncate_context  # noqa: E402
 from centroidkv.parsing import split_top_level  # noqa: E402
-from centroidkv.prompt_fit import check_fits, prompt_length, truncate_context  # noqa: E402
-from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS  # noqa: E402
+from centroidkv.plan.generate import Answer, generate  # noqa: E402
+from centroidkv.plan.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS  # noqa: E402
 from centroidkv.schema import cached_schema, check_method_spec  # noqa: E402
 
 # Torch and transformers (the model, the methods) are imported in the functions below, once the
-# request is known to be good (`centroidkv.generate` imports them only where it runs a prompt).
+# request is known to be good (`centroidkv.plan.generate` imports them only where it runs a prompt).
 
 
 def protocol_line(protocol: str, budget: float, budget_unit: str, n_questions: int = 1) -> str:
@@ -222,7 +222,7 @@ def checked_request(args: argparse.Namespace) -> Request:
 
     for method in methods:  # a missing head calibration: before the model is installed or converted
         HeadPolicy.of(parse_method(method)).check_calibrated(args.model)
-    import centroidkv.models as models  # as models.<name>, so that tests can stand in for the loaders
+    import centroidkv.models.loading as models  # as models.<name>, so that tests can stand in for the loaders
 
     positions = models.max_positions(args.model)
     if positions is not None and args.max_new_tokens >= positions:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    import centroidkv.models as models  # torch: only once the request is known to be good
+    import centroidkv.models.loading as models  # torch: only once the request is known to be good
 
     if args.model in HUB_MODELS or model_kind(args.model) == "hub":
         offline_unless_reachable()  # offline when the Hub does not answer within seconds, not ~75 s

@@ -123,7 +123,7 @@ def transformers_decode(model, ids: torch.Tensor, new_tokens: int):
     from bench_throughput import Decoded, timed_steps
     from transformers import DynamicCache
 
-    from centroidkv.timing import Timer
+    from centroidkv.plan.timing import Timer
 
     harness_attention = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
@@ -197,7 +197,7 @@ def compression_cost(report: Report, args, _model) -> dict:
     from baselines.kmeans import kmeans_compress
     from centroidkv import get_method
     from centroidkv.methods import LayerKV, LayerStats
-    from centroidkv.timing import Timer
+    from centroidkv.plan.timing import Timer
 
     csm, timer = (
         get_method("centroidkv", similarity="post_rope"),
@@ -256,7 +256,7 @@ def fused_paths(report: Report, args, model) -> dict:
 
     from centroidkv.attention import _biased_attention
     from centroidkv.flex import attention_backend, flash_attn_available, flash_prefill, flex_degree_attention
-    from centroidkv.timing import Timer
+    from centroidkv.plan.timing import Timer
 
     timer, results = Timer(args.device), []
     heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, 128

@@ -13,7 +13,8 @@ budget; one `heads_file` for all) and writes, per budget, two tables to `<result
 
 The best policy of a method is chosen on `--choose-on` (the dev factorial) when given, so that the
 test numbers are not the maximum of three noisy ones; otherwise on the records themselves (say so).
-A lead with P below 0.9, or on fewer than 10 samples, is not resolved (`scripts.ranking.resolved_words`).
+A lead with P below 0.9, or on fewer than 10 samples, is not resolved
+(`scripts.reports.ranking.resolved_words`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from centroidkv.head_policy import HEAD_POLICIES  # noqa: E402
-from scripts.ranking import bootstrap, p_above, resolved_words  # noqa: E402
-from scripts.table_files import write_text  # noqa: E402
-from scripts.table_text import markdown_block  # noqa: E402
-from scripts.tables import load_or_error  # noqa: E402
+from scripts.reports.ranking import bootstrap, p_above, resolved_words  # noqa: E402
+from scripts.reports.table_files import write_text  # noqa: E402
+from scripts.reports.table_text import markdown_block  # noqa: E402
+from scripts.reports.tables import load_or_error  # noqa: E402
 
 CLUSTERING = "centroidkv"
 

@@ -12,8 +12,8 @@ import json
 
 import torch
 
-from centroidkv.models import EMBEDDED_MODEL
-from centroidkv.timing import Timer
+from centroidkv.models.loading import EMBEDDED_MODEL
+from centroidkv.plan.timing import Timer
 
 
 def measure_prefill_sharing(

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.models.model_names import EMBEDDED_MODEL
 from eval.benchmarks.ruler import OFFLINE_TASKS, generate_samples
 from eval.benchmarks.ruler.scoring import ruler_score
 from eval.common import write_jsonl
@@ -27,12 +27,14 @@ from eval.common import write_jsonl
 def load(name: str):
     """The model through centroidkv (full cache); plain transformers from the converted checkpoint if that fails."""
     try:
-        from centroidkv.models import load_model
+        from centroidkv.models.loading import load_model
 
         model, tok = load_model(name, device="cpu", dtype=torch.float32)
-        return model, tok, "centroidkv.models.load_model"
+        return model, tok, "centroidkv.models.loading.load_model"
     except Exception as error:  # the module may be mid-edit by someone else
-        print(f"centroidkv.models.load_model failed ({type(error).__name__}: {error}); using transformers")
+        print(
+            f"centroidkv.models.loading.load_model failed ({type(error).__name__}: {error}); using transformers"
+        )
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path.home() / ".cache" / "centroidkv" / name

@@ -96,7 +96,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
     """The command line as Hydra reads it: `--force` is the override `overwrite=true`, and
     `model=<anything but a registered name>` (a folder, a .gguf file, a Hub id, random-*:N) is
     `model.name=<it>`: Hydra's model options are the registered names."""
-    from centroidkv.model_names import MODEL_NAMES
+    from centroidkv.models.model_names import MODEL_NAMES
 
     def read(arg: str) -> str:
         if arg == "--force":

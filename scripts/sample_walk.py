@@ -30,7 +30,7 @@ FOLDERS = ("centroidkv", "eval", "baselines")
 
 
 def room_of(filename: str) -> str | None:
-    """The repository file a code object belongs to (`centroidkv/plan.py`), None outside the folders."""
+    """The repository file a code object belongs to (`centroidkv/plan/plan.py`), None outside the folders."""
     path = Path(filename)
     if not path.is_absolute() or ROOT not in path.parents:
         return None

@@ -20,8 +20,8 @@ import torch
 
 from centroidkv.calibrate import head_file_for
 from centroidkv.methods import get_method
-from centroidkv.models import load_model
-from centroidkv.plan import Prompt, Run, run
+from centroidkv.models.loading import load_model
+from centroidkv.plan.plan import Prompt, Run, run
 from centroidkv_vllm.config import CentroidConfig
 
 MODEL = Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centroidkv")) / "smollm2-135m"
@@ -49,7 +49,7 @@ def write_prompts(path: str, tokenizer, documents: int, document_tokens: int, ne
     essays (`centroidkv_vllm.workload.document_prompts`) and the two needle prompts of `make demo`
     (scripts/demo.py: RULER niah_single_1 and niah_single_2, test split, seed 0, chat template) with
     their answers."""
-    from centroidkv.chat import chat_prompt_ids
+    from centroidkv.models.chat import chat_prompt_ids
     from centroidkv_vllm.workload import document_prompts
     from eval.benchmarks.ruler import generate_samples
 
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--prompts", help="the prompt file the plugin ran: needle answers compared")
     args = parser.parse_args()
     if args.write_prompts:
-        from centroidkv.models import load_tokenizer
+        from centroidkv.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(str(MODEL))
         write_prompts(args.write_prompts, tokenizer, args.documents, args.document_tokens, args.needle_length)

@@ -20,9 +20,9 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.benchmarks.ruler.confusion import KINDS, confusable  # noqa: E402
-from scripts.table_files import OutputError, output_folder, write_text  # noqa: E402
-from scripts.table_text import to_markdown  # noqa: E402
-from scripts.tables import load_or_error  # noqa: E402
+from scripts.reports.table_files import OutputError, output_folder, write_text  # noqa: E402
+from scripts.reports.table_text import to_markdown  # noqa: E402
+from scripts.reports.tables import load_or_error  # noqa: E402
 
 COLUMNS = ("samples", "wrong", *KINDS)
 

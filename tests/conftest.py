@@ -40,8 +40,8 @@ def own_cache(tmp_path, monkeypatch) -> Path:
     calibration or conversion in the user's shared cache changes what the test sees; the embedded
     model's conversion (its tokenizer, the tiny models' too) is linked in from the shared cache,
     converted there first when it is not yet."""
-    from centroidkv.model_names import EMBEDDED_MODEL
-    from centroidkv.models import converted_dir
+    from centroidkv.models.loading import converted_dir
+    from centroidkv.models.model_names import EMBEDDED_MODEL
 
     converted = converted_dir(EMBEDDED_MODEL)  # in the shared cache, before the variable changes
     cache = tmp_path / "cache"
@@ -53,10 +53,10 @@ def own_cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    """`centroidkv.models.load_model` fails the test if anything calls it."""
-    import centroidkv.models
+    """`centroidkv.models.loading.load_model` fails the test if anything calls it."""
+    import centroidkv.models.loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(centroidkv.models, "load_model", no_loading)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", no_loading)

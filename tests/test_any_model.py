@@ -11,7 +11,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from centroidkv.calibrate import user_head_file
-from centroidkv.model_names import model_identity, model_kind
+from centroidkv.models.model_names import model_identity, model_kind
 from eval import calibrate
 from scripts import generate
 
@@ -33,7 +33,7 @@ def save_small_model(folder, tokenizer, layers: int = 2) -> None:
 
 @pytest.fixture(scope="module")
 def embedded_tokenizer():
-    from centroidkv.models import load_tokenizer
+    from centroidkv.models.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -12,7 +12,7 @@ from test_harness import run_cfg
 
 from eval.records import JobMismatch
 from eval.runner import config_yaml_of, run_job
-from scripts import tables
+from scripts.reports import tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ import torch
 
 from centroidkv import CompressedCache, get_method, load_model, method_names
 from centroidkv.methods import method_class
-from centroidkv.prefill_compressor import compresses_in_prefill
+from centroidkv.plan.prefill_compressor import compresses_in_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,11 +98,11 @@ def test_budget_protected_tokens_and_degrees(model, name):
 
     n_sink, n_recent = method.n_sink, method.n_recent
     for layer, reference in zip(cache.layers, full.layers, strict=True):
-        budget = layer.budget_len
+        budget = cache.group_plan(layer.layer_idx).budget_len
         if method.compresses:
-            assert layer.length == min(PROMPT_LEN, budget)
+            assert layer.main.length == min(PROMPT_LEN, budget)
         else:
-            assert layer.length == PROMPT_LEN
+            assert layer.main.length == PROMPT_LEN
         for kept, original in ((layer.keys, reference.keys), (layer.values, reference.values)):
             assert torch.equal(kept[:, :, :n_sink], original[:, :, :n_sink])
             assert torch.equal(
@@ -113,11 +113,11 @@ def test_budget_protected_tokens_and_degrees(model, name):
     longest = [0] * len(cache.layers)
     compressions_after_prefill = cache.n_compressions
     for _ in range(NEW_TOKENS):
-        before = [(layer.keys, layer.values, layer.n_compressions) for layer in cache.layers]
+        before = [(layer.keys, layer.values, layer.main.n_compressions) for layer in cache.layers]
         token = greedy_step(model, cache, token)
         for i, (layer, (keys, values, count)) in enumerate(zip(cache.layers, before, strict=True)):
-            longest[i] = max(longest[i], layer.length)
-            if layer.n_compressions > count and n_recent:  # compressed during this step
+            longest[i] = max(longest[i], layer.main.length)
+            if layer.main.n_compressions > count and n_recent:  # compressed during this step
                 # the entries before the step, plus the new token, end with the untouched window
                 expected_keys = torch.cat([keys, layer.keys[:, :, -1:]], dim=2)[:, :, -n_recent:]
                 expected_values = torch.cat([values, layer.values[:, :, -1:]], dim=2)[:, :, -n_recent:]
@@ -128,14 +128,14 @@ def test_budget_protected_tokens_and_degrees(model, name):
     for layer, length, sink in zip(cache.layers, longest, sinks, strict=True):
         assert torch.equal(layer.keys[:, :, :n_sink], sink)
         if method.compresses:
-            assert length <= layer.budget_len + method.compress_interval
+            assert length <= cache.group_plan(layer.layer_idx).budget_len + method.compress_interval
         else:
-            assert layer.length == seen
+            assert layer.main.length == seen
         if method.merges:
-            degrees = layer.log_degree.double().exp().sum(dim=-1)
+            degrees = layer.main.log_degree.double().exp().sum(dim=-1)
             torch.testing.assert_close(degrees, torch.full_like(degrees, seen), rtol=1e-4, atol=0)
-        elif layer.log_degree is not None:
-            assert torch.equal(layer.log_degree, torch.zeros_like(layer.log_degree))
+        elif layer.main.log_degree is not None:
+            assert torch.equal(layer.main.log_degree, torch.zeros_like(layer.main.log_degree))
     if method.compresses:
         assert cache.n_compressions > compressions_after_prefill  # decoding re-compressed
 
@@ -182,8 +182,8 @@ def test_half_precision_stays_finite(name, dtype):
             and torch.isfinite(layer.keys).all()
             and torch.isfinite(layer.values).all()
         )
-        if layer.log_degree is not None:
-            assert torch.isfinite(layer.log_degree).all()
+        if layer.main.log_degree is not None:
+            assert torch.isfinite(layer.main.log_degree).all()
     if get_method(name).compresses:
         assert cache.n_compressions >= 2
 

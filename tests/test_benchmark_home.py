@@ -68,8 +68,8 @@ def test_a_benchmark_dropped_as_one_file_gets_its_tables_and_figures(tmp_path):
     from eval.config import CONFIG_DIR, build_run_config, store_configs
     from eval.records import read_records
     from eval.runner import config_yaml_of, run_job
-    from scripts.figures import main as figures
-    from scripts.tables import main as tables
+    from scripts.reports.figures import main as figures
+    from scripts.reports.tables import main as tables
 
     name = f"home_check_{os.getpid()}"  # one per test process: other runs may share the tree
     path = HOME / f"{name}.py"
@@ -115,7 +115,7 @@ def test_a_benchmark_dropped_as_one_file_gets_its_tables_and_figures(tmp_path):
 
 def _frame(folder: Path, benchmark: str, tasks: tuple[str, ...]) -> pd.DataFrame:
     """Records of two samples per task: the full cache, and SnapKV at 0.25 and 0.5, as tables.load reads them."""
-    from scripts import tables
+    from scripts.reports import tables
 
     rows = [
         {"benchmark": benchmark, "task": task, "length": 1024, "sample_id": f"{task}-{i}", "method": method,
@@ -132,7 +132,7 @@ def _frame(folder: Path, benchmark: str, tasks: tuple[str, ...]) -> pd.DataFrame
 
 
 def test_a_report_s_labels_families_and_switches_reach_the_tables_and_figures(tmp_path, monkeypatch):
-    from scripts import figures, tables
+    from scripts.reports import figures, tables
 
     class Reported(benchmarks.Benchmark):
         name = "reported_check"

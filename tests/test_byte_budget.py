@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from centroidkv import CompressedCache, get_method, method_names
-from centroidkv.decoding import needs_of, prefill
 from centroidkv.methods import method_class
+from centroidkv.plan.decoding import needs_of, prefill
 from eval.config import build_run_config
 from eval.run_config import ConfigError
 from eval.text import essay_text

@@ -53,8 +53,8 @@ def test_a_byte_budget_the_query_window_takes_names_the_window_at_run_time(tiny_
     tokens are fewer (958 of a 1024-token niah sample on SmolLM2: 5.0 %, not 4.7 %). Before, budgets
     0.047-0.05 there passed it and every record failed blaming "heads kept whole" (SnapKV keeps none)."""
     from centroidkv import get_method
-    from centroidkv.plan import CONTEXT_ONLY, Prompt, Run
-    from centroidkv.plan import run as plan_run
+    from centroidkv.plan.plan import CONTEXT_ONLY, Prompt, Run
+    from centroidkv.plan.plan import run as plan_run
 
     ids = torch.randint(10, tiny_model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     context, question = ids[:195].tolist(), ids[195:].tolist()

@@ -29,7 +29,7 @@ from test_harness import TINY, composed, run_cfg
 
 import centroidkv.calibrate
 import centroidkv.head_scores
-import centroidkv.models
+import centroidkv.models.loading
 import eval.calibrate as calibrate
 from centroidkv import CompressedCache, get_method
 from centroidkv.calibrate import (
@@ -40,7 +40,7 @@ from centroidkv.calibrate import (
     read_head_file,
     user_head_file,
 )
-from centroidkv.models import load_model, model_shape
+from centroidkv.models.loading import load_model, model_shape
 from eval.calibrate import main
 from eval.config import build_run_config
 from eval.run_config import ConfigError
@@ -96,7 +96,7 @@ def test_model_shapes_are_known_without_loading_weights():
 
 
 def test_a_head_file_of_another_shape_is_refused_at_validation(tmp_path, monkeypatch):
-    monkeypatch.setattr(centroidkv.models, "load_model", no_model)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", no_model)
     path = write(tmp_path / "heads.json", head_data("tiny-llama", 3, 2))  # tiny-llama is 2 x 2
     params = [f"method.params.heads_file={path}", "method.params.heads_fraction=0.25"]
     lines = config_errors(tmp_path, ["method=centroidkv", *params])
@@ -203,7 +203,7 @@ def refusal(capsys, argv: list[str]) -> str:
 
 
 def test_an_unwritable_folder_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(centroidkv.models, "load_model", no_model)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", no_model)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("CENTROIDKV_CACHE", str(blocker / "cache"))
@@ -216,7 +216,7 @@ def test_an_unwritable_folder_is_refused_before_the_model_loads(tmp_path, capsys
 
 
 def test_a_budget_below_the_protected_windows_is_refused_before_the_model_loads(capsys, monkeypatch):
-    monkeypatch.setattr(centroidkv.models, "load_model", no_model)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", no_model)
     line = refusal(capsys, ["--model", "random-llama3.1-8b:1", "--tokens", "256"])
     assert "keeps 64 entries, fewer than its 81 protected" in line and "at least 324" in line
 
@@ -294,7 +294,7 @@ def test_a_compression_never_calibrates_auto_without_a_file_is_one_line(cache, m
     monkeypatch.setattr(calibrate, "calibrate", forbidden)
     monkeypatch.setattr(centroidkv.head_scores, "calibrate_heads", forbidden)
     monkeypatch.setattr(centroidkv.head_scores, "head_errors", forbidden)
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", forbidden)
+    monkeypatch.setattr(centroidkv.models.loading, "load_tokenizer", forbidden)
     model, _ = load_model("tiny-llama")
     method = get_method("centroidkv", chunk_size=32, heads_fraction=0.25)  # 1 head of 2 x 2
     ids = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(0))

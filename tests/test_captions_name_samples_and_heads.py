@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from scripts.compact_records import expand, main
-from scripts.figures import _subtitle
-from scripts.tables import load
+from scripts.reports.figures import _subtitle
+from scripts.reports.tables import load
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS = ROOT / "results" / "heads.jsonl.gz"  # the head-policy factorial: every policy in one experiment

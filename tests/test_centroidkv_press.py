@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, pipeline
 
-from centroidkv.decoding import decode_forks, prefill, start_fork
-from centroidkv.models import _embedded_dir
+from centroidkv.models.loading import _embedded_dir
+from centroidkv.plan.decoding import decode_forks, prefill, start_fork
 from eval.text import NOISE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +68,7 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     try:
         fork = start_fork(model, prefilled, "centroidkv", 1 - RATIO, 0, question_ids, budget_unit="entries")
         native_layers = [
-            (layer.keys, layer.values, layer.log_degree, whole_of(layer)) for layer in fork.cache.layers
+            (layer.keys, layer.values, layer.main.log_degree, whole_of(layer)) for layer in fork.cache.layers
         ]
         generation = decode_forks(model, [fork], NEW_TOKENS)[0]
     finally:
@@ -85,7 +85,7 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
         assert layer.keys.shape[2] < n, f"layer {index}: the pipeline's cache was not shrunk"
         torch.testing.assert_close(layer.keys[:, :, :kept], keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(layer.values[:, :, :kept], values, rtol=0, atol=1e-5)
-        torch.testing.assert_close(layer.log_degree[:, :, :kept], log_degree, rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer.main.log_degree[:, :, :kept], log_degree, rtol=0, atol=1e-6)
         if whole is not None:  # heads kept whole (the paper's outlier heads): every token
             whole_keys, whole_values = whole
             assert whole_keys.shape[2] == n + q
@@ -105,7 +105,7 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     # pipeline ran the degree-aware attention
     control = prefilled.cache.fork("centroidkv", 1 - RATIO, 0, budget_unit="entries")
     for layer in control.layers:
-        layer.main.log_degree = torch.zeros_like(layer.log_degree)
+        layer.main.log_degree = torch.zeros_like(layer.main.log_degree)
     with control.paused():
         no_degrees = model(question_ids, past_key_values=control, logits_to_keep=1).logits[0, -1]
     assert float((no_degrees - native_logits[0]).abs().max()) > 1e-3

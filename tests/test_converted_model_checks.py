@@ -16,10 +16,10 @@ import pytest
 from test_model_conversion_recovery import FakeGguf, fake_conversion  # noqa: F401  (a fixture)
 from test_model_folder_safety import ROOT, cache_with_schema
 
-import centroidkv.model_names as model_names
-import centroidkv.models as models
-import centroidkv.wheel_models as wheel_models
-from centroidkv.model_names import model_identity
+import centroidkv.models.loading as models
+import centroidkv.models.model_names as model_names
+import centroidkv.models.wheel_models as wheel_models
+from centroidkv.models.model_names import model_identity
 from eval import calibrate
 from scripts import generate
 

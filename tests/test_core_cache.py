@@ -88,8 +88,8 @@ def test_compression_shrinks_tensors_and_keeps_invariants(tiny_model):
         assert max(cache.seq_lengths()) <= budget_len + method.compress_interval
         for layer in cache.layers:
             # degrees conserve tokens, per layer and head
-            seen = torch.full(layer.log_degree.shape[:2], 400.0 + step)
-            torch.testing.assert_close(layer.log_degree.exp().sum(-1), seen, rtol=1e-5, atol=0)
+            seen = torch.full(layer.main.log_degree.shape[:2], 400.0 + step)
+            torch.testing.assert_close(layer.main.log_degree.exp().sum(-1), seen, rtol=1e-5, atol=0)
     assert cache.get_seq_length() == 400 + steps
     assert cache.n_compressions > 1
 
@@ -176,13 +176,15 @@ class _FakeLayer:
     """A layer that is not split: its one group (`main`) is itself."""
 
     tracks_attention = False
-    split = False
 
     def __init__(self, log_degree):
         self.log_degree = log_degree
         self.main = self
 
-    def after_attention(self, query, scaling, received=None):
+    def is_split(self):
+        return False
+
+    def after_attention(self, planner, query, scaling, received=None):
         pass
 
 
@@ -221,18 +223,19 @@ def test_half_precision_model_stays_finite_with_degrees_up_to_1e5(tiny_model, dt
     cache = CompressedCache(method, budget=0.3, max_new_tokens=10, budget_unit="entries")
     model(prompt(300), past_key_values=cache)
     for layer in cache.layers:
-        layer.main.log_degree = layer.log_degree + math.log(1e5)  # pretend every entry stands for 1e5+ tokens
+        # pretend every entry stands for 1e5+ tokens
+        layer.main.log_degree = layer.main.log_degree + math.log(1e5)
     logits = model(torch.tensor([[5]]), past_key_values=cache).logits
     assert torch.isfinite(logits).all()
     # A smaller budget puts every layer over it: compress_now must merge at these degrees.
-    mass_before = [layer.log_degree.double().exp().sum(-1) for layer in cache.layers]
+    mass_before = [layer.main.log_degree.double().exp().sum(-1) for layer in cache.layers]
     lengths_before = cache.seq_lengths()
     cache.budget = 0.27
     cache.compress_now()
     for layer, length, mass in zip(cache.layers, lengths_before, mass_before, strict=True):
-        assert layer.length == layer.budget_len < length
+        assert layer.main.length == cache.group_plan(layer.layer_idx).budget_len < length
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
-        torch.testing.assert_close(layer.log_degree.double().exp().sum(-1), mass, rtol=1e-3, atol=0)
+        torch.testing.assert_close(layer.main.log_degree.double().exp().sum(-1), mass, rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -270,7 +273,7 @@ def test_budget_too_small_for_protected_tokens_shrinks_them_and_one_of_no_entry_
 def test_attention_with_received_equals_eager_softmax(q_len, block):
     """The blocked, triangle-skipping pass gives SDPA's output and the summed masked softmax."""
     from centroidkv.attention import attention_with_received
-    from centroidkv.cache import causal_allowed
+    from centroidkv.cache.cache import causal_allowed
 
     generator = torch.Generator().manual_seed(q_len)
     kv_len, q_heads, kv_heads = 50, 6, 2
@@ -296,7 +299,7 @@ def test_tracking_attention_does_not_change_the_answer(tiny_model):
     tracked_cache = CompressedCache("full", 1.0, 8, needs=[ATTENTION_SUM])
     tracked, _ = greedy(tiny_model, ids, tracked_cache, 8)
     assert torch.equal(plain, tracked)
-    sums = torch.stack([layer.attention_sum.sum(-1) for layer in tracked_cache.layers])
+    sums = torch.stack([layer.main.extras.get("attention_sum").sum(-1) for layer in tracked_cache.layers])
     heads_per_kv = tiny_model.config.num_attention_heads // tiny_model.config.num_key_value_heads
     torch.testing.assert_close(sums, torch.full_like(sums, (120 + 8) * heads_per_kv))
 

@@ -85,7 +85,7 @@ def test_no_outlier_heads_is_the_plain_algorithm_bit_for_bit(tiny_model, tmp_pat
             assert layer.group("whole") is None
             assert torch.equal(layer.keys[:, :, 16:-64], expected.keys)
             assert torch.equal(layer.values[:, :, 16:-64], expected.values)
-            assert torch.equal(layer.log_degree[:, :, 16:-64], expected.log_degree)
+            assert torch.equal(layer.main.log_degree[:, :, 16:-64], expected.log_degree)
 
 
 def test_outlier_heads_are_stored_whole_and_bytes_are_the_stored_parts(tiny_model, tmp_path):
@@ -130,14 +130,15 @@ class _Group:
 class _SplitLayer:
     """A layer split in two groups: the compressed heads (the main group) and the heads kept whole."""
 
-    split = True
-
     def __init__(self, keys, values, log_degree, whole):
         rest = [h for h in range(keys.shape[1]) if h not in whole]
         self.main = _Group(rest, log_degree=log_degree)
         self.groups = [self.main, _Group(whole, keys[:, whole], values[:, whole])]
 
-    def after_attention(self, query, scaling, received=None):
+    def is_split(self):
+        return True
+
+    def after_attention(self, planner, query, scaling, received=None):
         pass
 
 
@@ -172,7 +173,7 @@ def test_pre_rope_similarity_of_a_repeated_token_is_one_in_the_first_layer(embed
     layer = cache.layers[0]
     keys = layer.keys[:, :, [first, second]]
     post = F.cosine_similarity(keys[:, :, 0], keys[:, :, 1], dim=-1)
-    pre_keys = undo_rope(keys, layer.extras["position"][:, :, [first, second]], cache.rotary[0])
+    pre_keys = undo_rope(keys, layer.main.extras["position"][:, :, [first, second]], cache.rotary[0])
     pre = F.cosine_similarity(pre_keys[:, :, 0], pre_keys[:, :, 1], dim=-1)
     torch.testing.assert_close(pre, torch.ones_like(pre), atol=1e-5, rtol=0)
     assert float(post.max()) < 0.99

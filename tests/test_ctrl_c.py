@@ -11,7 +11,7 @@ import pytest
 from test_job_safety import RUN, TINY, env, wait_for_records
 from test_refused_before_loading import one_error_line
 
-import centroidkv.models
+import centroidkv.models.loading
 from eval import calibrate as eval_calibrate
 from eval.records import read_records
 from eval.runner import config_yaml_of, run_job
@@ -72,7 +72,7 @@ def test_ctrl_c_during_calibration_is_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(centroidkv.models, "load_model", interrupted)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", interrupted)
     assert eval_calibrate.cli(["--prompts", "1", "--tokens", "512", "--out", str(tmp_path / "x.json")]) == 130
     assert one_error_line(capsys) == "calibrate: interrupted; nothing written"
     assert list(tmp_path.iterdir()) == []

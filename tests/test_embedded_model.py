@@ -4,8 +4,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from centroidkv import CompressedCache, get_method
-from centroidkv.decoding import generate_from, prefill
-from centroidkv.models import _embedded_dir
+from centroidkv.models.loading import _embedded_dir
+from centroidkv.plan.decoding import generate_from, prefill
 from eval.text import NOISE
 
 FILLER = NOISE + " "  # the noise sentences, ready to repeat
@@ -63,7 +63,8 @@ def test_compressed_generation_on_real_keys(embedded):
     # the prefill is shared and never modified by a fork
     assert prefilled.cache.seq_lengths()[0] == ids.shape[1]
     assert all(
-        torch.isfinite(layer.log_degree).all() for layer in prefilled.cache.fork("centroidkv", 0.5).layers
+        torch.isfinite(layer.main.log_degree).all()
+        for layer in prefilled.cache.fork("centroidkv", 0.5).layers
     )
 
 

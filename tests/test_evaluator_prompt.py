@@ -7,7 +7,7 @@ import pytest
 
 import eval.samples as samples
 from centroidkv import load_model, load_tokenizer
-from centroidkv.plan import Prompt, Run, run
+from centroidkv.plan.plan import Prompt, Run, run
 from eval.benchmarks.toy import Toy
 from eval.evaluate import Evaluator
 from eval.run_config import MethodSpec

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
 
-from scripts import figure_styles, figures, tables
+from scripts.reports import figure_styles, figures, tables
 
 
 def record(experiment: str, method: str, budget: float, task: str, sample: int, score: float, **extra):

@@ -9,7 +9,7 @@ import pytest
 from test_harness import config_error_line
 from test_refused_before_loading import one_error_line
 
-import centroidkv.models
+import centroidkv.models.loading
 from centroidkv.calibrate import read_head_file
 from centroidkv.files import is_file
 from scripts.generate import main as generate_main
@@ -32,7 +32,7 @@ def test_generate_with_a_long_question_reads_it_as_text(tmp_path, monkeypatch, c
     def tokenizer_reached(name):
         raise RuntimeError("reached the tokenizer")
 
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", tokenizer_reached)
+    monkeypatch.setattr(centroidkv.models.loading, "load_tokenizer", tokenizer_reached)
     argv = ["--context", str(tmp_path / "c.txt"), "--question", "why " * 70, "--methods", "full"]
     assert generate_main(argv) == 1  # every check passed: the question is text
     assert one_error_line(capsys).endswith("reached the tokenizer")

@@ -58,7 +58,7 @@ def test_model_through_flex_equals_sdpa_path():
                 logits.append(model(ids[:, 380:390], past_key_values=cache).logits)
             for position in range(390, 395):
                 logits.append(model(ids[:, position : position + 1], past_key_values=cache).logits)
-        assert cache.layers[0].log_degree is not None and cache.layers[0].log_degree.max() > 0
+        assert cache.layers[0].main.log_degree is not None and cache.layers[0].main.log_degree.max() > 0
         runs[backend] = logits
     for reference, fused in zip(runs["sdpa"], runs["flex"]):
         torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)

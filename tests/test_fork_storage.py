@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from centroidkv import CompressedCache
-from centroidkv.cache import CompressedLayer
-from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
-from centroidkv.head_group import HeadGroup
+from centroidkv.cache.cache import CompressedLayer
+from centroidkv.cache.head_group import HeadGroup
+from centroidkv.plan.decoding import decode_forks, needs_of, prefill, start_fork
 from tests.test_head_policies import BUDGETS, NATIVE, NEW_TOKENS, UNDER, build, head_file, prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,7 +89,7 @@ def test_snapkv_window_is_counted_in_the_byte_plan(tiny_model):
         prefilled = prefill(tiny_model, prompt(), NEW_TOKENS, needs=needs_of([method]))
         cache = prefilled.cache.fork(method, 0.5, NEW_TOKENS)
         streaming = prefilled.cache.fork(build("streaming_llm", "none", ""), 0.5, NEW_TOKENS)
-    windows = sum(w.numel() * w.element_size() for layer in cache.layers for w in layer.windows.values())
+    windows = sum(w.numel() * w.element_size() for layer in cache.layers for w in layer.main.windows.values())
     assert windows > 0
     assert max(cache.seq_lengths()) < max(streaming.seq_lengths())
     assert cache.kv_bytes() == pytest.approx(streaming.kv_bytes(), rel=0.01)
@@ -104,7 +104,7 @@ def test_the_allocated_ratio_counts_the_decode_headroom(tiny_model):
         fork = start_fork(tiny_model, prefilled, method, 0.5, NEW_TOKENS)
         expected = fork.cache.kv_capacity_bytes() / fork.cache.reference_bytes()
         (generation,) = decode_forks(tiny_model, [fork], NEW_TOKENS, eos_token_ids=set())
-    layer = fork.cache.layers[0]
-    headroom = (layer.budget_len + method.compress_interval) / layer.budget_len
+    budget_len = fork.cache.group_plan(0).budget_len
+    headroom = (budget_len + method.compress_interval) / budget_len
     assert generation.kv_allocated_ratio == pytest.approx(expected)
     assert generation.kv_allocated_ratio == pytest.approx(generation.kv_budget_ratio * headroom, rel=0.01)

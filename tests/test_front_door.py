@@ -50,7 +50,7 @@ def test_every_make_target_that_takes_options_passes_args():
 
 def test_generate_help_shows_the_defaults_and_the_model_names():
     """Before: `--model MODEL` and `--max-new-tokens` had no default shown and no model list."""
-    from centroidkv.model_names import EMBEDDED_MODEL, MODEL_NAMES
+    from centroidkv.models.model_names import EMBEDDED_MODEL, MODEL_NAMES
 
     shown = subprocess.run(
         [sys.executable, "scripts/generate.py", "--help"],

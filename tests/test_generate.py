@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import centroidkv.models
+import centroidkv.models.loading
 from scripts.generate import main
 
 
@@ -38,7 +38,7 @@ def test_bad_inputs_are_one_line_before_the_model_loads(argv, message, capsys, m
     def no_loading(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(centroidkv.models, "load_model", no_loading)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", no_loading)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1

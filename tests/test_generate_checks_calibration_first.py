@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import centroidkv.models
+import centroidkv.models.loading
 from centroidkv.calibrate import CalibrationMissing
 from centroidkv.methods import HeadPolicy, get_method
 from scripts.generate import main
@@ -21,8 +21,8 @@ def installs(*args, **kwargs):
 def empty_cache(tmp_path, monkeypatch):
     """No user calibration of any model; loading any model fails the test."""
     monkeypatch.setenv("CENTROIDKV_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", installs)
-    monkeypatch.setattr(centroidkv.models, "load_model", installs)
+    monkeypatch.setattr(centroidkv.models.loading, "load_tokenizer", installs)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", installs)
 
 
 def test_a_missing_calibration_is_refused_before_the_model_is_installed(empty_cache, capsys):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import centroidkv.models as models
+import centroidkv.models.loading as models
 from centroidkv import CompressedCache, get_method
-from centroidkv.wheel_models import WHEEL_MODELS, WheelModel
+from centroidkv.models.wheel_models import WHEEL_MODELS, WheelModel
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 32, 2, 4, 2, 64
 VOCAB = 2048  # tokens kept of the embedded vocabulary (write_tiny_qwen2_gguf)

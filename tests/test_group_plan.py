@@ -1,5 +1,6 @@
 """Values down (issue 52): a head group runs on the plan it is handed and refers to nothing above it,
-and the byte plan is a pure function of a frozen shape (`centroidkv.group_plan`, `centroidkv.byte_plan`)."""
+and the byte plan is a pure function of a frozen shape (`centroidkv.cache.group_plan`,
+`centroidkv.cache.byte_plan`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from centroidkv import CompressedCache, get_method
-from centroidkv.byte_plan import ByteShape, solve
-from centroidkv.group_plan import GroupPlan
-from centroidkv.head_group import HeadGroup
+from centroidkv.cache.byte_plan import ByteShape, solve
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.head_group import HeadGroup
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.kv import LayerStats
-from centroidkv.quantization import StorageFormat
 from tests.test_core_cache import prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")

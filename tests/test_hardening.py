@@ -238,7 +238,7 @@ def test_gpu_check_refuses_a_folder_holding_an_earlier_run(tmp_path):
 
 # ----------------------------------------------------------------------- 12. an empty model depth
 def test_a_random_model_with_an_empty_depth_is_refused(tmp_path):
-    from centroidkv.models import parse_model_name
+    from centroidkv.models.loading import parse_model_name
 
     with pytest.raises(ValueError, match="the depth after ':' must be an integer in 1..32"):
         parse_model_name("random-llama3.1-8b:")

@@ -277,16 +277,16 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     made it."""
     import torch
 
-    import centroidkv.plan
-    import centroidkv.prefill_store
-    from centroidkv.cache import CompressedCache
-    from centroidkv.decoding import prefill
+    import centroidkv.plan.plan
+    import centroidkv.plan.prefill_store
+    from centroidkv.cache.cache import CompressedCache
+    from centroidkv.plan.decoding import prefill
     from eval.runner import config_yaml_of, run_job
 
     seen: dict[str, list] = {"prefill": [], "question": [], "fork": []}
     real_prefill, real_start, real_fork = (
-        centroidkv.plan.prefill,
-        centroidkv.plan.start_fork,
+        centroidkv.plan.plan.prefill,
+        centroidkv.plan.plan.start_fork,
         CompressedCache.fork,
     )
 
@@ -303,9 +303,9 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
         seen["fork"].append((twin, twin.seq_lengths()))
         return twin
 
-    monkeypatch.setattr(centroidkv.plan, "prefill", spy_prefill)
-    monkeypatch.setattr(centroidkv.prefill_store, "prefill", spy_prefill)  # the natives' prefill
-    monkeypatch.setattr(centroidkv.plan, "start_fork", spy_start)
+    monkeypatch.setattr(centroidkv.plan.plan, "prefill", spy_prefill)
+    monkeypatch.setattr(centroidkv.plan.prefill_store, "prefill", spy_prefill)  # the natives' prefill
+    monkeypatch.setattr(centroidkv.plan.plan, "start_fork", spy_start)
     monkeypatch.setattr(CompressedCache, "fork", spy_fork)
     overrides = ["method.budget=0.5", "method.params.compress_interval=1", "benchmark.n_samples=1",
                  "benchmark.context_only=true", "benchmark.max_new_tokens=1"]  # fmt: skip
@@ -322,8 +322,8 @@ def test_context_only_feeds_the_question_uncompressed(tmp_path, monkeypatch):
     assert n_question > 0 and record["context_length"] == n_context + n_question
     full = prefill(model, torch.cat([context_ids, question_ids], dim=1), 1).cache
     for layer, n_compressed in zip(cache.layers, compressed, strict=True):
-        assert n_compressed < n_context and layer.length == n_compressed + n_question
-        degrees = layer.log_degree
+        assert n_compressed < n_context and layer.main.length == n_compressed + n_question
+        degrees = layer.main.log_degree
         assert (degrees[..., :n_compressed] > 0).any()  # the context was merged ...
         assert (degrees[..., n_compressed:] == 0).all()  # ... the question was not: degree 1 each
     question_keys = cache.layers[0].keys[:, :, -n_question:]
@@ -396,7 +396,7 @@ def test_wandb_offline_run_has_the_job_metrics(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ outputs
 def test_tables_from_fixture(tmp_path):
-    from scripts.tables import main
+    from scripts.reports.tables import main
 
     assert main([str(FIXTURES / "fixture_ruler"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "ruler_budget0.25.md").read_text()
@@ -417,7 +417,7 @@ def test_tables_from_fixture(tmp_path):
 
 
 def test_ranking_table_from_fixture(tmp_path):
-    from scripts.tables import main
+    from scripts.reports.tables import main
 
     assert main([str(FIXTURES / "fixture_ruler"), "--out", str(tmp_path)]) == 0
     lines = (tmp_path / "ruler_ranking.md").read_text().splitlines()[4:]
@@ -438,7 +438,7 @@ def test_ranking_with_one_sample_per_task_resamples_across_tasks():
     tasks, so intervals have width and a method that loses one task is not certainly ahead."""
     import pandas as pd
 
-    from scripts.ranking import ranking_table
+    from scripts.reports.ranking import ranking_table
 
     scores = {"a": (100.0, 100.0, 0.0), "b": (100.0, 0.0, 100.0), "c": (100.0, 100.0, 0.0)}
     df = pd.DataFrame(
@@ -458,7 +458,7 @@ def test_ranking_with_one_sample_per_task_resamples_across_tasks():
 
 
 def test_speed_table_from_fixture(tmp_path):
-    from scripts.tables import main
+    from scripts.reports.tables import main
 
     assert main([str(FIXTURES / "fixture_speed"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "speed.md").read_text()
@@ -467,7 +467,7 @@ def test_speed_table_from_fixture(tmp_path):
 
 
 def test_figures_from_fixture(tmp_path):
-    from scripts.figures import main
+    from scripts.reports.figures import main
 
     assert main([str(FIXTURES), "--out", str(tmp_path)]) == 0
     expected = [

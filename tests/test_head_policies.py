@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from centroidkv import get_method
-from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
 from centroidkv.methods import method_class, method_names
-from centroidkv.prefill_compressor import compresses_in_prefill
+from centroidkv.plan.decoding import decode_forks, needs_of, prefill, start_fork
+from centroidkv.plan.prefill_compressor import compresses_in_prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,25 +79,28 @@ def test_every_native_method_runs_each_policy_at_the_budget_s_bytes(tiny_model, 
         listed = layer.group("whole" if policy == "whole" else "favoured")
         assert listed.heads.tolist() == [1] and layer.main.heads.tolist() == [0]
         if policy == "budget":  # the favoured head is compressed too, to more entries than the other
-            assert layer.length < listed.length < PROMPT_LEN
+            assert layer.main.length < listed.length < PROMPT_LEN
         else:
             assert torch.equal(listed.keys, prefilled.cache.layers[0].keys[:, [1]])
             assert torch.equal(listed.values, prefilled.cache.layers[0].values[:, [1]])
         decode_forks(tiny_model, forks, NEW_TOKENS, eos_token_ids=set())  # batched when two forks
-    assert layer.n_compressions > 1  # re-compressed while decoding
+    assert layer.main.n_compressions > 1  # re-compressed while decoding
     seen = PROMPT_LEN + NEW_TOKENS - 1
     assert layer.n_seen == seen
     if policy == "whole":  # every token seen, never compressed
         assert listed.keys.shape[2] == seen
     else:
-        assert listed.length <= layer.plan(listed.role).budget_len + method.compress_interval - 1
+        assert (
+            listed.length
+            <= cache.group_plan(layer.layer_idx, listed.role).budget_len + method.compress_interval - 1
+        )
         assert listed.n_compressions >= 1
     # every stored tensor is counted, and what decoding adds stays within the g-token slack per head
     heads = len(layer.head_lengths())
     slack = cache.n_layers * heads * method.compress_interval * 2 * layer.keys.shape[-1] * 4 * 2
     assert cache.kv_bytes() <= budget * cache.reference_bytes() + slack
     if policy == "whole" and plain is not None:  # the plain run shares the prefill and is unaffected
-        assert not forks[1].cache.layers[0].split
+        assert not forks[1].cache.layers[0].is_split()
 
 
 def test_duo_attention_keeps_sinks_and_recent_on_streaming_heads(tiny_model, tmp_path):
@@ -109,8 +112,8 @@ def test_duo_attention_keeps_sinks_and_recent_on_streaming_heads(tiny_model, tmp
         cache = start_fork(tiny_model, prefilled, method, 0.5, NEW_TOKENS).cache
     for index, layer in enumerate(cache.layers):
         full = prefilled.cache.layers[index]
-        budget = layer.length
-        if not layer.split:  # no head listed here: every head streams
+        budget = layer.main.length
+        if not layer.is_split():  # no head listed here: every head streams
             streaming = list(range(full.keys.shape[1]))
         else:
             streaming, whole = layer.main.heads.tolist(), layer.group("whole")
@@ -193,4 +196,4 @@ def test_a_layer_whose_every_head_is_listed_still_decodes(tiny_model, tmp_path, 
         decode_forks(tiny_model, [fork], NEW_TOKENS, eos_token_ids=set())
     layer = fork.cache.layers[0]
     assert layer.keys.shape[1] == 0 and layer.n_seen == PROMPT_LEN + NEW_TOKENS - 1
-    assert fork.cache.layers[1].n_compressions >= 1
+    assert fork.cache.layers[1].main.n_compressions >= 1

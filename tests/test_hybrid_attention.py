@@ -1,4 +1,4 @@
-"""Hybrid local/global attention (`centroidkv.window_layer`): window layers attend over their last W
+"""Hybrid local/global attention (`centroidkv.cache.window_layer`): window layers attend over their last W
 positions under the degree-aware attention, keep W - 1 entries as transformers' own cache does, are
 never compressed, and their bytes count in the budget. Tiny random Gemma 3 and Qwen2 configurations
 built here, against transformers' eager attention and DynamicCache."""
@@ -11,7 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Qwen
 
 from centroidkv import CompressedCache, get_method, prepare_model
 from centroidkv.attention import degree_attention
-from centroidkv.window_layer import WindowLayer, sliding_windows
+from centroidkv.cache.window_layer import WindowLayer, sliding_windows
 
 WINDOW = 8
 
@@ -77,7 +77,7 @@ def test_a_hybrid_model_matches_eager_attention_over_prefill_and_decode(factory)
     windows = sliding_windows(ours.config)
     for index, layer in enumerate(cache.layers):
         assert isinstance(layer, WindowLayer) == (index in windows)
-        assert layer.length == (WINDOW - 1 if index in windows else 44)
+        assert layer.main.length == (WINDOW - 1 if index in windows else 44)
 
 
 def test_a_window_layer_outputs_eager_attention_for_the_same_inputs():
@@ -116,5 +116,5 @@ def test_a_hybrid_models_compressed_cache_stores_r_of_its_full_cache(method):
     reference = full.kv_bytes() * (3 * (WINDOW - 1) + 1008) / (3 * (WINDOW - 1) + 1000)  # + the 8 new tokens
     assert full.reference_bytes() == reference
     assert cache.kv_bytes() == pytest.approx(budget * reference, rel=0.01)
-    assert [layer.length for layer in cache.layers[:3]] == [WINDOW - 1] * 3
-    assert 0 < cache.layers[3].length < budget * 1008  # the global layer pays for the window layers too
+    assert [layer.main.length for layer in cache.layers[:3]] == [WINDOW - 1] * 3
+    assert 0 < cache.layers[3].main.length < budget * 1008  # the global layer pays for the window layers too

@@ -60,7 +60,7 @@ def decode(model, cache, question, steps):
         live.append(cache.kv_bytes())
         capacity.append(cache.kv_capacity_bytes())
         storages.append(cache.layers[0].keys.untyped_storage().data_ptr())
-        compressions.append(cache.layers[0].n_compressions)
+        compressions.append(cache.layers[0].main.n_compressions)
     return tokens, live, capacity, storages, compressions
 
 
@@ -108,8 +108,9 @@ def test_decode_steps_write_into_one_buffer_between_compressions(tiny_model, tmp
     if name == "full":  # the fork's first buffer: the prompt and question + the planned generation
         assert layer.main._buffers["keys"][0].shape[2] == PROMPT_LEN + 6 + STEPS
     else:  # a compression's buffer holds B + g entries
-        assert layer.main._buffers["keys"][0].shape[2] == layer.budget_len + method.compress_interval
-        assert layer.main._buffers["log_degree"][0].shape[2] == layer.budget_len + method.compress_interval
+        budget_len = cache.group_plan(0).budget_len
+        assert layer.main._buffers["keys"][0].shape[2] == budget_len + method.compress_interval
+        assert layer.main._buffers["log_degree"][0].shape[2] == budget_len + method.compress_interval
 
 
 def test_forks_never_see_each_others_tokens(tiny_model):

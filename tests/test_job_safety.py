@@ -322,9 +322,9 @@ def test_a_job_whose_every_record_failed_is_not_done(tmp_path):
 def test_a_budget_too_small_for_the_protected_windows_shrinks_them_and_one_of_no_entry_fails_first():
     """50-token prompt, 100 new tokens. Budget 0.5: B = 75 < 81 protected tokens of centroidkv; the
     prompt fits, the first compression comes during decoding and keeps n_recent 75 - 16 - 1 = 58
-    (`centroidkv.budget.fit_protected`). Budget 0.005: B = 0, refused before any decoding step."""
+    (`centroidkv.cache.budget.fit_protected`). Budget 0.005: B = 0, refused before any decoding step."""
     from centroidkv import load_model
-    from centroidkv.decoding import generate_from, prefill
+    from centroidkv.plan.decoding import generate_from, prefill
 
     model, _ = load_model("tiny-llama")
     prefilled = prefill(model, torch.arange(1, 51).unsqueeze(0), 100)
@@ -370,7 +370,7 @@ def test_a_budget_of_no_entry_is_a_config_error_and_one_short_of_the_protected_w
 # -------------------------------------------------------------------------------- 6. small ones
 def test_max_new_tokens_zero_generates_nothing():
     from centroidkv import load_model
-    from centroidkv.decoding import generate_from, prefill
+    from centroidkv.plan.decoding import generate_from, prefill
 
     model, _ = load_model("tiny-llama")
     prefilled = prefill(model, torch.arange(1, 41).unsqueeze(0), 0)
@@ -382,7 +382,7 @@ def test_max_new_tokens_zero_generates_nothing():
 
 def test_an_empty_prompt_is_one_clear_error():
     from centroidkv import load_model
-    from centroidkv.decoding import prefill
+    from centroidkv.plan.decoding import prefill
 
     model, _ = load_model("tiny-llama")
     with pytest.raises(ValueError, match="empty prompt"):

@@ -58,7 +58,7 @@ def twin(model, attn_implementation: str):
 
 
 def embedded_twin(attn_implementation: str):
-    from centroidkv.models import cache_dir
+    from centroidkv.models.loading import cache_dir
 
     path = cache_dir() / "smollm2-135m"
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation).eval()
@@ -233,12 +233,14 @@ def test_h2o_scores_coincide_with_observed_attention_up_to_normalisation(request
     for layer, (ours, kept, full, h2o_layer) in enumerate(
         zip(recorder.layers, theirs_kept, theirs_full, h2o.layers, strict=True)
     ):
-        normalised = ours.attention_sum / seen_by / group
+        normalised = ours.main.extras.get("attention_sum") / seen_by / group
         torch.testing.assert_close(normalised, press.recorded[layer].float(), rtol=1e-3, atol=1e-6)
         theirs = positions(kept, full)
         assert torch.equal(theirs, normalised.topk(n_kept, dim=-1).indices.sort(-1).values), f"layer {layer}"
         h2o_positions = positions(h2o_layer.keys, ours.keys)
-        assert torch.equal(h2o_positions, ours.attention_sum.topk(n_kept, dim=-1).indices.sort(-1).values)
+        assert torch.equal(
+            h2o_positions, ours.main.extras.get("attention_sum").topk(n_kept, dim=-1).indices.sort(-1).values
+        )
         overlap = (h2o_positions.unsqueeze(-1) == theirs.unsqueeze(-2)).any(-1)
         same, total = same + int(overlap.sum()), total + overlap.numel()
     print(f"{model_name}: H2O and ObservedAttentionPress keep {same / total:.1%} of the same tokens")

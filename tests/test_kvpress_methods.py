@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from centroidkv import get_method, load_model, load_tokenizer
-from centroidkv.decoding import prefill
+from centroidkv.plan.decoding import prefill
 from eval.benchmarks.toy import Toy
 from eval.evaluate import Evaluator
 from eval.run_config import MethodSpec
@@ -119,7 +119,7 @@ def test_masked_presses_save_no_memory_and_shrinking_ones_do(embedded, tmp_path)
 
     import json
 
-    from scripts.tables import load
+    from scripts.reports.tables import load
 
     job = tmp_path / "exp" / "job"
     job.mkdir(parents=True)

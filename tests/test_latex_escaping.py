@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_bad_records import toy_records, write_job
 
-from scripts import tables
-from scripts.latex import LATEX_SPECIALS, latex_escape
+from scripts.reports import tables
+from scripts.reports.latex import LATEX_SPECIALS, latex_escape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -50,7 +50,7 @@ def sweep(results: Path, *launcher: str) -> dict[str, list[dict]]:
 
 
 def tables(results: Path, out: Path) -> dict[str, str]:
-    from scripts.tables import main
+    from scripts.reports.tables import main
 
     assert main([str(results / "sweep"), "--out", str(out)]) == 0
     return {p.name: p.read_text() for p in sorted(out.glob("ruler_*"))}

@@ -21,7 +21,7 @@ FIXTURE_DATASETS = sorted(p.stem for p in FIXTURE.glob("*.jsonl") if not p.stem.
 
 @pytest.fixture(scope="module")
 def tok():
-    from centroidkv.models import load_tokenizer
+    from centroidkv.models.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from scripts.compact_records import main
-from scripts.table_text import markdown_escape
+from scripts.reports.table_text import markdown_escape
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTILE = "x<script>alert(1)</script>|y|\n## H"

@@ -1,4 +1,4 @@
-"""A per-record measurement is declared once (`centroidkv.measurements.register_measurement`) and
+"""A per-record measurement is declared once (`centroidkv.plan.measurements.register_measurement`) and
 reaches the record, the job summary, the W&B row and the tables with no other edit."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from centroidkv import load_model, load_tokenizer
-from centroidkv.measurements import DECODED, MEASUREMENTS, Measurement, register_measurement
+from centroidkv.plan.measurements import DECODED, MEASUREMENTS, Measurement, register_measurement
 from eval.benchmarks.toy import Toy
 from eval.evaluate import Evaluator
 from eval.run_config import MethodSpec
@@ -39,7 +39,7 @@ class FakeRun:
 
 
 def test_a_measurement_declared_once_reaches_record_summary_wandb_and_table(entries_total, tmp_path):
-    from scripts.tables import load, make_tables
+    from scripts.reports.tables import load, make_tables
 
     model, tokenizer = load_model("tiny-llama")[0], load_tokenizer("smollm2-135m")
     specs = (MethodSpec("full", 1.0), MethodSpec("streaming_llm", 0.5))

@@ -62,7 +62,7 @@ def test_the_ranking_keeps_every_sample_of_the_uncapped_methods():
     lead resolved) and then every method on the 2 all share; bold goes by the 12."""
     import pandas as pd
 
-    from scripts.ranking import ranking_table, top_tier
+    from scripts.reports.ranking import ranking_table, top_tier
 
     scores = {"a": [100.0] * 12, "b": [100.0, 0.0] * 6, "capped": [100.0, 100.0]}
     df = pd.DataFrame(

@@ -16,7 +16,7 @@ import torch
 
 import baselines
 import centroidkv
-from centroidkv.decoding import needs_of, prefill
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.methods import (
     REGISTRY,
     HeadPolicy,
@@ -31,7 +31,7 @@ from centroidkv.methods import (
     param,
     register,
 )
-from centroidkv.quantization import StorageFormat
+from centroidkv.plan.decoding import needs_of, prefill
 from centroidkv.schema import method_errors
 from centroidkv.wrapper import WRAPPERS, MethodWrapper, innermost, register_wrapper
 from tests.test_head_policies import head_file
@@ -308,7 +308,7 @@ def test_a_precision_stores_the_entries_of_any_method_in_int4(tiny_model, keep_l
     with torch.inference_mode():
         prefilled = prefill(tiny_model, ids, 8)
         coded, plain = (prefilled.cache.fork(m, 0.5, 8, budget_unit="entries") for m in (four, own))
-    assert all(set(layer.packed) == {"keys", "values"} for layer in coded.layers)
+    assert all(set(layer.main.packed) == {"keys", "values"} for layer in coded.layers)
     assert coded.seq_lengths() == plain.seq_lengths() and coded.kv_bytes() < 0.5 * plain.kv_bytes()
 
 

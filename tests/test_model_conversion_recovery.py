@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-import centroidkv.models
-from centroidkv.wheel_models import WHEEL_MODELS
+import centroidkv.models.loading
+from centroidkv.models.wheel_models import WHEEL_MODELS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,10 +63,10 @@ def fake_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("CENTROIDKV_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(FakeGguf, "calls", 0)
     monkeypatch.setattr(
-        centroidkv.models, "AutoModelForCausalLM", type("M", (), {"from_pretrained": FakeGguf.model})
+        centroidkv.models.loading, "AutoModelForCausalLM", type("M", (), {"from_pretrained": FakeGguf.model})
     )
     monkeypatch.setattr(
-        centroidkv.models, "AutoTokenizer", type("T", (), {"from_pretrained": FakeGguf.tokenizer})
+        centroidkv.models.loading, "AutoTokenizer", type("T", (), {"from_pretrained": FakeGguf.tokenizer})
     )
     return tmp_path / "cache" / "smollm2-135m"
 
@@ -88,7 +88,7 @@ def whole(folder: Path) -> bool:
 def test_a_truncated_or_deleted_converted_model_is_converted_again(fake_conversion, damage, capsys):
     """Before: a conversion counted as complete once config.json and tokenizer_config.json existed, so
     a truncated or deleted model.safetensors was a SafetensorError / OSError traceback on every run."""
-    from centroidkv.models import _embedded_dir
+    from centroidkv.models.loading import _embedded_dir
 
     folder = _embedded_dir()
     weights = folder / "model.safetensors"
@@ -107,7 +107,7 @@ def test_a_truncated_or_deleted_converted_model_is_converted_again(fake_conversi
 def test_a_conversion_without_manifest_is_checked_by_its_safetensors_header(fake_conversion):
     """A cache converted by an earlier version (no conversion.json) is used when whole, converted
     again when its safetensors file is shorter than its header says."""
-    from centroidkv.models import _embedded_dir
+    from centroidkv.models.loading import _embedded_dir
 
     folder = _embedded_dir()
     (folder / "conversion.json").unlink()
@@ -122,7 +122,7 @@ def test_a_conversion_without_manifest_is_checked_by_its_safetensors_header(fake
 def test_two_conversions_at_once_both_succeed(fake_conversion):
     """Before: both converted into one shared smollm2-135m.tmp, which the other deleted: one died with
     `SafetensorError ... No such file or directory` (or left a checkpoint missing files)."""
-    from centroidkv.models import _embedded_dir
+    from centroidkv.models.loading import _embedded_dir
 
     start = threading.Barrier(2)
     results: list[Any] = []

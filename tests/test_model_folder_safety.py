@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import centroidkv.models as models
-from centroidkv.model_names import model_kind
+import centroidkv.models.loading as models
+from centroidkv.models.model_names import model_kind
 from centroidkv.schema import build_schema, fingerprint, schema_path
 
 ROOT = Path(__file__).resolve().parent.parent

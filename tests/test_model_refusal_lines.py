@@ -16,7 +16,7 @@ from test_model_folder_safety import ROOT, cache_with_schema
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from centroidkv import CompressedCache, prepare_model
-from centroidkv.models import load_model
+from centroidkv.models.loading import load_model
 
 
 def test_a_budget_below_the_window_layers_bytes_names_them():

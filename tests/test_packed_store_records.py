@@ -13,8 +13,8 @@ def test_records_say_what_a_packed_store_holds_and_when_it_kept_every_token(tiny
     """Before: an int4 cache at R = 0.9 kept every token and stored well under R, and no field said
     so; kv_budget_ratio (right after compression) was the only ratio recorded."""
     from centroidkv import get_method
-    from centroidkv.plan import CONTEXT_ONLY, Prompt, Run
-    from centroidkv.plan import run as plan_run
+    from centroidkv.plan.plan import CONTEXT_ONLY, Prompt, Run
+    from centroidkv.plan.plan import run as plan_run
 
     ids = torch.randint(10, tiny_model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     context, question = ids[:195].tolist(), ids[195:].tolist()

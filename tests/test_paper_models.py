@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from centroidkv import CompressedCache, get_method, load_model
-from centroidkv.models import check_model_name, parse_model_name
+from centroidkv.models.loading import check_model_name, parse_model_name
 
 # The published config.json values (Llama-3.1-8B-Instruct, Mistral-7B-Instruct-v0.3, Qwen2-7B-Instruct).
 PUBLISHED = {
@@ -109,6 +109,6 @@ def test_mistral7b_two_layers_bf16_prefill_compress_decode():
             steps.append(logits)
     assert all(bool(torch.isfinite(step).all()) for step in steps)
     assert cache.get_seq_length() == PROMPT_LEN + 3
-    degrees = cache.layers[1].log_degree.exp().sum(-1)  # every original token is counted once
+    degrees = cache.layers[1].main.log_degree.exp().sum(-1)  # every original token is counted once
     assert torch.allclose(degrees, torch.full_like(degrees, PROMPT_LEN + 3), rtol=1e-3)
     assert math.isfinite(float(steps[-1].float().abs().max()))

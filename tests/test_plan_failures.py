@@ -1,4 +1,4 @@
-"""What a failure costs in one plan (`centroidkv.plan.run`): a fork that fails to start is final at
+"""What a failure costs in one plan (`centroidkv.plan.plan.run`): a fork that fails to start is final at
 once and the others decode; a batch that fails is decoded again fork by fork, each from its own
 source, so only the fork that fails alone keeps an error. Every outcome is final exactly once, and
 `on_outcome` hears of it as soon as it is."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import centroidkv.plan
+import centroidkv.plan.plan
 from centroidkv import get_method
-from centroidkv.plan import Prompt, Run, run
+from centroidkv.plan.plan import Prompt, Run, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW_TOKENS = 6
@@ -43,7 +43,7 @@ def test_a_failed_batch_is_decoded_fork_by_fork_and_only_the_failing_fork_keeps_
     runs = runs_of(("full", 1.0), ("centroidkv", 0.5), ("h2o", 0.5), ("snapkv", 0.5))
     prompt = prompt_of(tiny_model)
     alone = run(tiny_model, prompt, runs, NEW_TOKENS, set(), decode_batch=1)
-    real_decode = centroidkv.plan.decode_forks
+    real_decode = centroidkv.plan.plan.decode_forks
 
     def fails_in_a_batch_and_for_h2o(model, forks, *args):
         if len(forks) > 1:
@@ -52,7 +52,7 @@ def test_a_failed_batch_is_decoded_fork_by_fork_and_only_the_failing_fork_keeps_
             raise RuntimeError("h2o fails alone")
         return real_decode(model, forks, *args)
 
-    monkeypatch.setattr(centroidkv.plan, "decode_forks", fails_in_a_batch_and_for_h2o)
+    monkeypatch.setattr(centroidkv.plan.plan, "decode_forks", fails_in_a_batch_and_for_h2o)
     heard: list[int] = []
     outcomes = run(tiny_model, prompt, runs, NEW_TOKENS, set(), on_outcome=lambda k, _: heard.append(k))
     assert heard == [0, 1, 2, 3]

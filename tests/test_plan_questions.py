@@ -10,7 +10,7 @@ import torch
 
 from centroidkv import get_method
 from centroidkv.methods import method_class
-from centroidkv.plan import CONTEXT_ONLY, Prompt, Run, run
+from centroidkv.plan.plan import CONTEXT_ONLY, Prompt, Run, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

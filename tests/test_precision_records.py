@@ -67,7 +67,7 @@ def test_a_run_level_precision_reaches_every_method_and_its_identity(tmp_path):
 def test_the_cost_table_shows_what_a_packed_store_ends_holding(tmp_path):
     """A 4-bit store packs its residual group as decoding goes on, so it ends holding fewer bytes than
     it started from: the cost table must show the end as well, or int4 looks as large as it began."""
-    from scripts.tables import load, measurements_table
+    from scripts.reports.tables import load, measurements_table
 
     cfg = compose_tiny([f"results_dir={tmp_path}", "warmup=false", "benchmark.n_samples=1", "budgets=[0.25]",
                         "methods=[{name:centroidkv,params:{kv_precision:int4,kv_residual:8}}]"])  # fmt: skip

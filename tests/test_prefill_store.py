@@ -13,13 +13,13 @@ import torch
 from test_harness import run_cfg
 from test_hybrid_attention import tiny_gemma3, tiny_qwen2
 
-import centroidkv.prefill_store
+import centroidkv.plan.prefill_store
 from centroidkv import get_method, prepare_model
-from centroidkv.decoding import generate_from, needs_of, prefill
+from centroidkv.cache.window_layer import WindowLayer
 from centroidkv.needs import Need
-from centroidkv.plan import Prompt, Run, run
-from centroidkv.prefill_store import PrefillStore, stored_prefill
-from centroidkv.window_layer import WindowLayer
+from centroidkv.plan.decoding import generate_from, needs_of, prefill
+from centroidkv.plan.plan import Prompt, Run, run
+from centroidkv.plan.prefill_store import PrefillStore, stored_prefill
 from eval.records import read_records
 from eval.runner import config_yaml_of, run_job
 
@@ -206,7 +206,7 @@ def test_a_job_run_twice_reads_its_prefills_and_writes_the_same_records(tmp_path
         forwards.append(args[1].shape[-1])
         return prefill(*args, **kwargs)
 
-    monkeypatch.setattr(centroidkv.prefill_store, "prefill", counted)
+    monkeypatch.setattr(centroidkv.plan.prefill_store, "prefill", counted)
     overrides = [
         "methods=[full,snapkv,h2o,centroidkv]",
         "budgets=[0.25]",
@@ -263,7 +263,7 @@ def test_the_long_study_keeps_its_prefills():
     for experiment in ("long_study_8k", "long_study_16k", "long_study_32k", "long_study_dev"):
         assert composed([f"experiment={experiment}"]).prefill_store.max_gb > 0, experiment
     assert composed([]).prefill_store.max_gb == 0
-    assert Path(centroidkv.prefill_store.default_folder()).name == "prefills"
+    assert Path(centroidkv.plan.prefill_store.default_folder()).name == "prefills"
 
 
 def test_the_store_settings_do_not_rename_a_job(tmp_path):

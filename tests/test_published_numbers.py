@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts.compact_records import expand
-from scripts.tables import load, score_table
+from scripts.reports.tables import load, score_table
 
 ROOT = Path(__file__).resolve().parent.parent
 FRACTIONS = {"1/16": 0.0625, "1/8": 0.125, "1/4": 0.25, "1/2": 0.5, "3/4": 0.75}

@@ -1,4 +1,4 @@
-"""Storage precision as a budget axis (`centroidkv.quantization`, issue 30).
+"""Storage precision as a budget axis (`centroidkv.cache.quantization`, issue 30).
 
 The quantizer (packing, KIVI's axes, the error bound); on a tiny random model in bfloat16 (a 16-bit
 reference, as on a GPU): integer caches hold packed uint8 codes whose bytes, with every other tensor
@@ -14,9 +14,7 @@ import pytest
 import torch
 
 from centroidkv import get_method, load_model
-from centroidkv.decoding import generate_from, needs_of, prefill
-from centroidkv.methods import method_label, method_variant
-from centroidkv.quantization import (
+from centroidkv.cache.quantization import (
     INTEGER_BITS,
     PackedCodes,
     StorageFormat,
@@ -26,6 +24,8 @@ from centroidkv.quantization import (
     quantize,
     unpack,
 )
+from centroidkv.methods import method_label, method_variant
+from centroidkv.plan.decoding import generate_from, needs_of, prefill
 from tests.test_embedded_model import needle_prompt
 from tests.test_fork_storage import check_own_and_counted
 from tests.test_head_policies import NATIVE, prompt
@@ -123,12 +123,12 @@ def test_integer_caches_hold_packed_codes_counted_in_kv_bytes(bf16_model, name, 
         check_own_and_counted(cache, prefilled.cache)
     bits = INTEGER_BITS[precision]
     for layer in cache.layers:
-        assert set(layer.packed) == {"keys", "values"}
-        for slot, packed in layer.packed.items():
+        assert set(layer.main.packed) == {"keys", "values"}
+        for slot, packed in layer.main.packed.items():
             assert packed.codes.dtype == torch.uint8 and packed.codes.shape[-1] == 16 * bits // 8  # D = 16
             residual = layer.main._get(slot).shape[2]
             assert SMALL["kv_residual"] <= residual < SMALL["kv_residual"] + SMALL["kv_group"]
-            assert packed.length % SMALL["kv_group"] == 0 and packed.length + residual == layer.length
+            assert packed.length % SMALL["kv_group"] == 0 and packed.length + residual == layer.main.length
 
 
 def test_heads_kept_whole_and_favoured_heads_are_quantized_too(bf16_model, tmp_path):
@@ -156,7 +156,7 @@ def stores_r(cache, budget: float, name: str) -> None:
     """What is stored is R of the reference within 1 %; PyramidKV on 2 layers may keep a whole layer
     (its budget above the layer's length) and then stores less (its known under-spend)."""
     ratio = cache.budget_ratio()
-    if name == "pyramidkv" and any(layer.length == layer.n_seen for layer in cache.layers):
+    if name == "pyramidkv" and any(layer.main.length == layer.n_seen for layer in cache.layers):
         assert ratio <= budget * 1.01
     else:
         assert ratio == pytest.approx(budget, rel=0.01)
@@ -194,7 +194,7 @@ def test_dequantized_cache_is_within_the_bound_of_the_prefill(bf16_model, precis
         cache = prefilled.cache.fork(method, 1.0, NEW_TOKENS)
     for original, layer in zip(prefilled.cache.layers, cache.layers, strict=True):
         for slot in ("keys", "values"):
-            packed: PackedCodes = layer.packed[slot]
+            packed: PackedCodes = layer.main.packed[slot]
             restored = layer.read(slot).float()
             source = getattr(original, slot).float()
             quantized = slice(0, packed.length)
@@ -266,10 +266,10 @@ def test_a_fork_to_another_format_requantizes_from_floats(bf16_model):
         int8 = int4.fork(build("full", "int8", kv_group=32), 1.0, NEW_TOKENS)
         back = int4.fork(build("full", "model"), 1.0, NEW_TOKENS)
     for source, layer in zip(int4.layers, int8.layers, strict=True):
-        assert layer.packed["keys"].bits == 8 and layer.packed["keys"].group == 32
+        assert layer.main.packed["keys"].bits == 8 and layer.main.packed["keys"].group == 32
         restored = layer.read("keys").float()
         assert (restored - source.read("keys").float()).abs().max() <= error_bound(
-            layer.packed["keys"]
+            layer.main.packed["keys"]
         ).max() + 0.02
-    assert not any(layer.packed for layer in back.layers)
+    assert not any(layer.main.packed for layer in back.layers)
     assert torch.equal(back.layers[0].keys, int4.layers[0].read("keys"))

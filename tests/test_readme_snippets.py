@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from centroidkv import get_method
-from centroidkv.decoding import generate_from, needs_of, prefill
+from centroidkv.plan.decoding import generate_from, needs_of, prefill
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SECTION = "## Using it from Python"
@@ -52,7 +52,7 @@ def test_readme_own_model_snippet_runs_on_a_folder_saved_with_save_pretrained(tm
     into ./my-model: plain `from_pretrained`, `prepare_model`, a CompressedCache in `generate`."""
     from test_any_model import save_small_model
 
-    from centroidkv.models import load_tokenizer
+    from centroidkv.models.loading import load_tokenizer
 
     torch.manual_seed(0)
     save_small_model(tmp_path / "my-model", load_tokenizer("smollm2-135m"))

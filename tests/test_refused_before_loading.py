@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import centroidkv.models
+import centroidkv.models.loading
 from eval import calibrate as eval_calibrate
 from scripts.generate import main as generate_main
 
@@ -26,15 +26,17 @@ def test_generate_with_a_model_that_cannot_be_loaded_is_one_line(monkeypatch, ca
     def unreachable(*args, **kwargs):
         raise RuntimeError("cannot load 'meta-llama/Llama-3.1-8B-Instruct' from the Hugging Face Hub")
 
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", unreachable)
-    monkeypatch.setattr(centroidkv.models, "load_model", unreachable)
+    monkeypatch.setattr(centroidkv.models.loading, "load_tokenizer", unreachable)
+    monkeypatch.setattr(centroidkv.models.loading, "load_model", unreachable)
     assert generate_main(["--prompt", "hi", "--model", "llama3.1-8b", "--methods", "full"]) == 1
     assert one_error_line(capsys) == (
         "error: cannot load the tokenizer of llama3.1-8b: cannot load 'meta-llama/Llama-3.1-8B-Instruct' "
         "from the Hugging Face Hub"
     )
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", lambda name: None)  # the model itself fails
-    monkeypatch.setattr(centroidkv.models, "max_positions", lambda name: None)
+    monkeypatch.setattr(
+        centroidkv.models.loading, "load_tokenizer", lambda name: None
+    )  # the model itself fails
+    monkeypatch.setattr(centroidkv.models.loading, "max_positions", lambda name: None)
     assert generate_main(["--prompt", "hi", "--model", "llama3.1-8b", "--methods", "full"]) == 1
     assert one_error_line(capsys).startswith("error: cannot load llama3.1-8b: cannot load 'meta-llama/")
 
@@ -66,9 +68,9 @@ def test_generate_a_context_beyond_the_models_positions_is_refused_before_loadin
 
 
 def test_truncate_cuts_the_middle_of_the_context_to_fit():
-    from centroidkv.prompt_fit import prompt_length, truncate_context
+    from centroidkv.models.prompt_fit import prompt_length, truncate_context
 
-    tokenizer = centroidkv.models.load_tokenizer()
+    tokenizer = centroidkv.models.loading.load_tokenizer()
     cut = truncate_context(tokenizer, LONG_CONTEXT, "What jumps?", "full_prompt", 64, 2048)
     assert 2048 - 64 - 8 <= prompt_length(tokenizer, cut, "What jumps?", "full_prompt") <= 2048 - 64
     assert cut.startswith("Line 0: the quick") and cut.endswith(
@@ -79,10 +81,10 @@ def test_truncate_cuts_the_middle_of_the_context_to_fit():
 
 def test_generate_refuses_a_prompt_beyond_the_positions_before_any_prefill():
     """The Python API too: tiny-llama has 4096 positions."""
-    from centroidkv.generate import generate
+    from centroidkv.plan.generate import generate
 
-    model, _ = centroidkv.models.load_model("tiny-llama")
-    tokenizer = centroidkv.models.load_tokenizer()
+    model, _ = centroidkv.models.loading.load_model("tiny-llama")
+    tokenizer = centroidkv.models.loading.load_tokenizer()
     with pytest.raises(ValueError, match=r"need \d+ positions, more than the model's 4096"):
         generate(model, tokenizer, LONG_CONTEXT, "What jumps?", ["full"], max_new_tokens=4, warm=False)
 
@@ -102,7 +104,9 @@ def test_calibrate_tokens_beyond_the_positions_is_refused_before_loading(tmp_pat
 def test_an_empty_question_among_several_is_named_before_loading(tmp_path, monkeypatch, capsys):
     """Before: the model loaded, then "the chat template splits this context differently"."""
     (tmp_path / "c.txt").write_text("ctx\n")
-    monkeypatch.setattr(centroidkv.models, "load_tokenizer", lambda name: pytest.fail("tokenizer loaded"))
+    monkeypatch.setattr(
+        centroidkv.models.loading, "load_tokenizer", lambda name: pytest.fail("tokenizer loaded")
+    )
     argv = [
         "--context",
         str(tmp_path / "c.txt"),

@@ -113,8 +113,8 @@ def test_a_dropped_file_is_listed_run_and_shown_under_its_label(dropped_method, 
     full = next(r for r in records if r["method"] == "full")
     assert 0 < ours[0]["kv_bytes"] < full["kv_bytes"]  # it really compressed
 
-    from scripts.figures import main as figures
-    from scripts.tables import main as tables
+    from scripts.reports.figures import main as figures
+    from scripts.reports.tables import main as tables
 
     assert tables([str(tmp_path / "results" / "dropin"), "--out", str(tmp_path / "tables")]) == 0
     table = (tmp_path / "tables" / "ruler_budget0.5.md").read_text()
@@ -125,7 +125,7 @@ def test_a_dropped_file_is_listed_run_and_shown_under_its_label(dropped_method, 
 
 def test_variants_are_shown_by_their_name(tmp_path):
     """Records with a `variant` are grouped and labelled by it; records without one by their class."""
-    from scripts.tables import load
+    from scripts.reports.tables import load
 
     base = dict(benchmark="ruler", task="niah_single_1", length=1024, status="ok", score=50.0)
     records = [
@@ -184,7 +184,7 @@ model(ids, past_key_values=cache)
 reference = CompressedCache("full", 1.0, 0)
 model(ids, past_key_values=reference)
 layer, full = cache.layers[0], reference.layers[0]
-assert layer.length == 150, layer.length
+assert layer.main.length == 150, layer.main.length
 middle = full.keys[:, :, 16:-64][:, :, 1::2][:, :, : 150 - 80]  # the odd tokens of the middle
 assert torch.equal(layer.keys[:, :, 16:-64], middle)
 print("plugin ok")

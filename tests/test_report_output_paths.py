@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_bad_records import files_under, toy_records, write_job
 
-from scripts import figures, table_files, tables
+from scripts.reports import figures, table_files, tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

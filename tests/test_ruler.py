@@ -25,7 +25,7 @@ N = 2
 
 @pytest.fixture(scope="module")
 def tok():
-    from centroidkv.models import load_tokenizer
+    from centroidkv.models.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts import tables
+from scripts.reports import tables
 
 
 def record(job: str, method: str, budget: float, sample: int, score: float, **params: Any) -> dict[str, Any]:

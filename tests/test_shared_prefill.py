@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from centroidkv import get_method, load_model
-from centroidkv.decoding import Prefill, decode_forks, needs_of, prefill, start_fork
+from centroidkv.plan.decoding import Prefill, decode_forks, needs_of, prefill, start_fork
 from eval.benchmarks.toy import Toy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
 """Short prompts: a prompt too short for a method's protected windows at the budget still runs.
 
-Rule (`centroidkv.budget.fit_protected`, applied by the cache at every compression): the recent window
+Rule (`centroidkv.cache.budget.fit_protected`, applied by the cache at every compression): the recent window
 shrinks to what the budget leaves, then the sinks, so that the budget is kept and the method still
 chooses at least one entry; `CompressedCache.protected_used()` (and every record, through the
 measurements `n_sink_used` and `n_recent_used`) says what was kept. Only a budget of no entry at all is refused, with one line.
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from centroidkv import CompressedCache, get_method
-from centroidkv.budget import fit_protected, protected_entries
-from centroidkv.decoding import generate_from, needs_of, prefill
+from centroidkv.cache.budget import fit_protected, protected_entries
 from centroidkv.methods import method_class, method_names
-from centroidkv.prefill_compressor import PrefillCompressor
+from centroidkv.plan.decoding import generate_from, needs_of, prefill
+from centroidkv.plan.prefill_compressor import PrefillCompressor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts import ranking, tables
+from scripts.reports import ranking, tables
 
 
 def record(method: str, budget: float, task: str, sample: int, score: float) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class _SeedSpy(random.Random):
 
 @pytest.fixture(scope="module")
 def tok():
-    from centroidkv.models import load_tokenizer
+    from centroidkv.models.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from centroidkv import CompressedCache, get_method, load_model
-from centroidkv.decoding import decode_forks, needs_of, prefill, start_fork
+from centroidkv.plan.decoding import decode_forks, needs_of, prefill, start_fork
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

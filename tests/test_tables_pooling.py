@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from scripts import figure_styles, figures, tables
+from scripts.reports import figure_styles, figures, tables
 
 IDENTITY: dict[str, Any] = {
     "model.name": "tiny",
@@ -283,7 +283,7 @@ def test_a_single_budget_still_gets_its_ranking_table(tmp_path):
     """An ablation runs one budget: how stable its order is matters as much as with several."""
     import pandas as pd
 
-    from scripts.tables import make_tables
+    from scripts.reports.tables import make_tables
 
     rows = []
     for variant, scores in (("a", [100.0, 0.0, 100.0]), ("b", [0.0, 0.0, 100.0])):

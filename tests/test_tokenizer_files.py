@@ -1,4 +1,4 @@
-"""A converted checkpoint's tokenizer files load alike everywhere (centroidkv.tokenizer_files): a
+"""A converted checkpoint's tokenizer files load alike everywhere (centroidkv.models.tokenizer_files): a
 SentencePiece vocabulary becomes the BPE its scores rank, whole pieces stay whole, the class is the
 plain one, the original's special tokens and BOS rule are in the files. The serving venv's half of
 the check (same ids under its transformers) is tests_serve/test_tokenizer.py."""
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from centroidkv.tokenizer_files import (
+from centroidkv.models.tokenizer_files import (
     CONTROL,
     PORTABLE_CLASS,
     USER_DEFINED,
@@ -92,7 +92,7 @@ def test_a_sentencepiece_vocabulary_without_its_token_types_is_refused():
 def test_the_embedded_models_files_name_the_plain_class_and_its_own_special_tokens(tmp_path):
     """SmolLM2's GGUF conversion named CodeLlamaTokenizer (transformers 5.19 then split every space
     off as <|endoftext|>), <|im_start|> as end of sequence, and a template prepending <|im_start|>."""
-    from centroidkv.models import _embedded_dir
+    from centroidkv.models.loading import _embedded_dir
 
     config = json.loads((_embedded_dir() / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == PORTABLE_CLASS and config["eos_token"] == "<|im_end|>"

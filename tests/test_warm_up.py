@@ -1,4 +1,4 @@
-"""A warm-up (`centroidkv.plan.warm_up`) runs each method at the caller's budget and never fails a
+"""A warm-up (`centroidkv.plan.plan.warm_up`) runs each method at the caller's budget and never fails a
 run: on a hybrid model whose window layers alone hold more than half the bytes of the 256-token
 warm-up prompt, a budget of 0.5 cannot be met there, yet `generate` at a budget the real prompt can
 meet answers every method. A tiny random Gemma 3 built here, with the embedded tokenizer's vocabulary."""
@@ -11,9 +11,9 @@ from test_hybrid_attention import tiny_gemma3
 from transformers import Gemma3ForCausalLM
 
 from centroidkv import get_method, prepare_model
-from centroidkv.generate import generate
-from centroidkv.models import load_tokenizer
-from centroidkv.plan import warm_up
+from centroidkv.models.loading import load_tokenizer
+from centroidkv.plan.generate import generate
+from centroidkv.plan.plan import warm_up
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

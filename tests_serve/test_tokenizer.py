@@ -1,5 +1,5 @@
 """One tokenizer in both venvs: the converted embedded model's files give, under this venv's
-transformers (vLLM's), the ids the harness's own venv gives (centroidkv.tokenizer_files). Before,
+transformers (vLLM's), the ids the harness's own venv gives (centroidkv.models.tokenizer_files). Before,
 5.19 obeyed the GGUF conversion's CodeLlamaTokenizer and put <|endoftext|> between every two words."""
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def test_heads_kept_whole_go_to_the_side_store_and_the_others_are_merged_alone()
     """heads=whole (`centroidkv_vllm.heads`): at the first compression the listed head's entries go
     to the request's side store as they are; its slots in the pool get zeros (never read again); the
     other heads are merged by the library on their own."""
-    from centroidkv.budget import fit_protected
+    from centroidkv.cache.budget import fit_protected
     from centroidkv.compression import compress_protected
     from centroidkv.kv import LayerKV
     from centroidkv_vllm.heads import SideStore

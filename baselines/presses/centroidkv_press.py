@@ -25,7 +25,7 @@ cache re-compresses to B whenever decoding has added `compress_interval` entries
   attention implementation is restored on exit (prepare_model's two hooks per attention module stay,
   inert for any cache but a `CompressedCache`);
 - a forward pre-hook on the language model gives each forward CentroidKV's own cache (a
-  `centroidkv.cache.CompressedCache` with the press's method and budget) in place of the caller's
+  `centroidkv.cache.cache.CompressedCache` with the press's method and budget) in place of the caller's
   empty `DynamicCache`, whose `layers` become that cache's layers: the caller's cache holds the
   compressed entries, with really smaller key and value tensors (no masks), and each later forward on
   it (the decoding, in the second `with press(model)` of the pipeline) runs on the same cache. The
@@ -63,7 +63,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from centroidkv.attention import prepare_model
-from centroidkv.cache import CompressedCache
+from centroidkv.cache.cache import CompressedCache
 from centroidkv.methods import Method, get_method
 
 try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.models.model_names import EMBEDDED_MODEL
 from eval.benchmarks import Benchmark, Report, Sample, check_split, register_benchmark, split_seed
 from eval.benchmarks.ruler.constants import NEEDLE, max_new_tokens
 from eval.benchmarks.ruler.needles import random_key_word, random_number

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from centroidkv.model_names import EMBEDDED_MODEL
+from centroidkv.models.model_names import EMBEDDED_MODEL
 from eval.benchmarks import SPLITS
 from eval.benchmarks.ruler.constants import TASK_NAMES
 from eval.benchmarks.ruler.tasks import check_arguments, generate_samples
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_arguments(args.task, args.length, args.n, args.split)
-        from centroidkv.models import check_model_name  # names only: no tokenizer is loaded here
+        from centroidkv.models.loading import check_model_name  # names only: no tokenizer is loaded here
 
         check_model_name(args.tokenizer)
     except ValueError as error:

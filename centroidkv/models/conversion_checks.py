@@ -1,7 +1,7 @@
 """What a converted checkpoint must be to be loaded: every file its manifest (conversion.json, written
 last by the conversion) names, at the size it wrote, the small files unchanged, a wheel model's
 config.json of the declared shape, and tokenizer files of the current layout
-(`centroidkv.tokenizer_files`)."""
+(`centroidkv.models.tokenizer_files`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from centroidkv.errors import first_line
-from centroidkv.tokenizer_files import TOKENIZER_LAYOUT
-from centroidkv.wheel_models import WheelModel, file_sha256
+from centroidkv.models.tokenizer_files import TOKENIZER_LAYOUT
+from centroidkv.models.wheel_models import WheelModel, file_sha256
 
 # Written last into a converted checkpoint: the size of every file, checked before each load.
 MANIFEST = "conversion.json"

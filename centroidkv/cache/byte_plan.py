@@ -1,9 +1,9 @@
 """The byte plan: entries per layer such that everything a cache stores is R times a full cache's bytes.
 
-With `budget_unit="bytes"` (`centroidkv.budget`) a cache's layers keep B entries per compressed head,
+With `budget_unit="bytes"` (`centroidkv.cache.budget`) a cache's layers keep B entries per compressed head,
 B solved here so that what is stored right after a compression is at most R times the bytes of a full
 cache of n + Gamma tokens, and one more entry per layer would exceed it. What is stored is a sum over
-each layer's head groups (`centroidkv.head_group`):
+each layer's head groups (`centroidkv.cache.head_group`):
 
   compressed heads   B entries: keys and values in the storage format, plus one float32 per record
   favoured heads     heads_boost x B entries (heads=budget), at most what they have seen
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from centroidkv.budget import RECORD_BYTES, solve_entries
+from centroidkv.cache.budget import RECORD_BYTES, solve_entries
+from centroidkv.cache.quantization import StorageFormat
 from centroidkv.head_policy import favoured_len
-from centroidkv.quantization import StorageFormat
 
 ID_BYTES = torch.empty((), dtype=torch.long).element_size()  # one stored head id
 

@@ -3,7 +3,7 @@
 line around it is `scripts/generate.py`.
 
 The prompt goes through the model's chat template and every method runs through one per-prompt plan
-(`centroidkv.plan.run`): the native methods fork one shared prefill, each compressing its fork to
+(`centroidkv.plan.plan.run`): the native methods fork one shared prefill, each compressing its fork to
 the budget, and decode greedily one at a time (so each has its own TPOT). Every method of one call
 runs the same protocol: with a context and a question the context is compressed and the question
 fed afterwards (context-only); with several questions each method compresses the context once and
@@ -22,17 +22,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from centroidkv.budget import DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
+from centroidkv.cache.budget import DEFAULT_BUDGET_UNIT, check_budget, check_budget_unit
 from centroidkv.errors import first_line
-from centroidkv.prompt_fit import check_fits
-from centroidkv.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
+from centroidkv.models.prompt_fit import check_fits
+from centroidkv.plan.run_options import CONTEXT_ONLY, FULL_PROMPT, PROTOCOLS
 
 # Torch and transformers (the model, the methods, the plan) are imported where they are needed, in
-# the functions below: the command line (scripts/generate.py) checks its input first, so a bad one is one
-# line in well under a second (`centroidkv.schema` knows the methods and their parameters' rules without torch).
+# the functions below: the command line (scripts/generate.py) checks its input first, so a bad one is
+# one line in well under a second (`centroidkv.schema` knows the methods and their parameters' rules
+# without torch).
 if TYPE_CHECKING:
     from centroidkv.methods import Method
-    from centroidkv.plan import Outcome, Prompt
+    from centroidkv.plan.plan import Outcome, Prompt
 
 
 @dataclass
@@ -47,7 +48,7 @@ class Answer:
     error: str | None = None  # one line when the method could not run; every field below is then empty
     text: str = ""
     n_generated: int = 0
-    # The measurements under their record names (`centroidkv.measurements`):
+    # The measurements under their record names (`centroidkv.plan.measurements`):
     kv_ratio: float | None = None  # bytes stored / bytes of a full cache of the same tokens
     kv_budget_ratio: float | None = None  # bytes after compression / a full cache of prompt + max new tokens
     kv_bytes: int | None = None  # what decoding started from
@@ -87,9 +88,9 @@ def generate(
     (one line), before any prefill: a bad method, budget, unit or protocol, a prompt beyond the
     model's positions, or a head policy on a model not calibrated yet (`python -m eval.calibrate`).
     """
-    from centroidkv.decoding import eos_token_ids
     from centroidkv.methods import HeadPolicy, parse_method
-    from centroidkv.plan import Run, run, warm_up
+    from centroidkv.plan.decoding import eos_token_ids
+    from centroidkv.plan.plan import Run, run, warm_up
 
     budget = check_budget(budget)
     check_budget_unit(budget_unit)
@@ -140,7 +141,7 @@ def _questions_and_protocol(question: str | Sequence[str], protocol: str | None)
 def _refused(named: list[tuple[str, Method]], protocol: str, question: str) -> dict[tuple[int, int], Answer]:
     """The answers of the methods that cannot run `protocol` (keyed (method index, 0)): one that
     compresses inside its prefill cannot compress a whole prompt."""
-    from centroidkv.prefill_compressor import compresses_in_prefill
+    from centroidkv.plan.prefill_compressor import compresses_in_prefill
 
     if protocol != FULL_PROMPT:
         return {}
@@ -159,8 +160,8 @@ def _prompt(tokenizer, context: str, questions: list[str], protocol: str) -> Pro
     """The call's prompt: the chat of the context and the first question, split as `protocol`
     prefills and feeds it, and the other questions' turns (`Prompt.follow_ups`), each following the
     same context."""
-    from centroidkv.chat import chat_prompt_ids
-    from centroidkv.plan import Prompt
+    from centroidkv.models.chat import chat_prompt_ids
+    from centroidkv.plan.plan import Prompt
 
     def split(question: str, context_only: bool) -> tuple[list[int], list[int]]:
         message = f"{context}\n\n{question}" if question else context

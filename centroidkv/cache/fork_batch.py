@@ -20,20 +20,27 @@ from __future__ import annotations
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from centroidkv.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.cache import CompressedCache, CompressedLayer
+from centroidkv.cache.planner import GroupPlanner
 
 
 class ForkBatchLayer(DynamicLayer):
-    """One layer of a `ForkBatch`: row f of an update goes to fork f's own layer."""
+    """One layer of a `ForkBatch`: row f of an update goes to fork f's own layer (`forks`), with its
+    own cache's planner (`planners`)."""
 
-    def __init__(self, forks: list[CompressedLayer]):
+    def __init__(self, caches: list[CompressedCache], layer_idx: int):
         super().__init__()
-        self.forks = forks
+        self.caches = caches
+        self.forks: list[CompressedLayer] = [cache.layers[layer_idx] for cache in caches]
         self.is_initialized = True
 
+    def planners(self) -> list[GroupPlanner]:
+        """Each fork's cache's settings now (`CompressedCache.planner`), in row order."""
+        return [cache.planner() for cache in self.caches]
+
     def update(self, key_states: Tensor, value_states: Tensor, cache_kwargs: dict | None = None):
-        for row, layer in enumerate(self.forks):
-            layer.add(key_states[row : row + 1], value_states[row : row + 1])
+        for row, (layer, planner) in enumerate(zip(self.forks, self.planners(), strict=True)):
+            layer.add(planner, key_states[row : row + 1], value_states[row : row + 1])
         # The attention function reads every fork's own entries (`forks`), never these.
         return key_states, value_states
 
@@ -56,10 +63,13 @@ class ForkBatch(Cache):
                 f"forks decoded together must have seen the same tokens, got lengths {sorted(seen)}"
             )
         if any(
-            layer.keys.shape[0] != 1 for cache in caches for layer in cache.layers if layer.keys is not None
+            layer.main.keys.shape[0] != 1
+            for cache in caches
+            for layer in cache.layers
+            if layer.main.keys is not None
         ):
             raise ValueError("each fork of a batch must hold one sequence")
         super().__init__(layers=[])
         self.caches = caches
         n_layers = len(caches[0].layers)
-        self.layers = [ForkBatchLayer([cache.layers[i] for cache in caches]) for i in range(n_layers)]
+        self.layers = [ForkBatchLayer(caches, i) for i in range(n_layers)]

@@ -1,6 +1,6 @@
 """Native prefills kept on disk, so that a prompt's prefill is paid once per model.
 
-The native methods of a job fork one prefill per prompt (`centroidkv.plan`); at 16k tokens on one CPU
+The native methods of a job fork one prefill per prompt (`centroidkv.plan.plan`); at 16k tokens on one CPU
 core that forward takes minutes. With a store (`PrefillStore`: the run config's `prefill_store`),
 the first job that prefills a prompt writes the prefill to a file (its cache's keys, values and
 recorded needs per layer, the first token and the prefill's seconds), and a later job on the same
@@ -21,7 +21,7 @@ the caller's.
 Files are written atomically (`centroidkv.files.replaced_atomically`), so a killed job leaves none
 half written; a file that cannot be read or does not match its key is computed again after a one-line
 warning. Above `max_bytes` the least recently used files go. Taps (methods compressing inside the
-prefill forward, `centroidkv.decoding.PrefillTap`) are never stored: when the natives' prefill is
+prefill forward, `centroidkv.plan.decoding.PrefillTap`) are never stored: when the natives' prefill is
 read back, the taps get a forward of their own.
 """
 
@@ -46,12 +46,12 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from centroidkv.attention import bind_model
-from centroidkv.cache import CompressedCache, CompressedLayer
-from centroidkv.decoding import Prefill, PrefillTap, prefill
+from centroidkv.cache.cache import CompressedCache, CompressedLayer
 from centroidkv.errors import first_line
 from centroidkv.files import replaced_atomically
-from centroidkv.model_names import cache_dir, config_digest
+from centroidkv.models.model_names import cache_dir, config_digest
 from centroidkv.needs import RECORDERS, Need, gather_needs
+from centroidkv.plan.decoding import Prefill, PrefillTap, prefill
 
 FORMAT_VERSION = 1
 SUFFIX = ".pt"
@@ -276,7 +276,7 @@ def stored_prefill(
     needs: Iterable[Need] = (),
     taps: Mapping[Hashable, PrefillTap] | None = None,
 ) -> Prefill:
-    """`centroidkv.decoding.prefill` through `store`: read back when stored (then without the taps,
+    """`centroidkv.plan.decoding.prefill` through `store`: read back when stored (then without the taps,
     `Prefill.stored`), else computed and written (the natives' part of a forward with taps)."""
     needs = list(needs)
     if store is None:

@@ -2,7 +2,7 @@
 
 A `Measurement` names a record field and says how to read it from a run: from its cache at one of
 three moments (`COMPRESSED`: right after compression; `FED`: after the question was fed, before the
-first decode step; `DECODED`: at the end) or from its times. `centroidkv.decoding` reads every
+first decode step; `DECODED`: at the end) or from its times. `centroidkv.plan.decoding` reads every
 registered measurement into `Fork.measured` / `Generation.measured`; the evaluation copies them into
 the record under the same name; the job summary, W&B and the cost table of `scripts/tables.py`
 iterate this registry. So a new per-record measurement is one `register_measurement(...)` call
@@ -32,7 +32,7 @@ class RunState:
     `step_s`: the time of each decode step; `timed`: whether those steps were the run's own (False
     when forks decoded as the rows of one batch shared them)."""
 
-    cache: Any  # centroidkv.cache.CompressedCache
+    cache: Any  # centroidkv.cache.cache.CompressedCache
     prefill_s: float = 0.0
     compress_s: float = 0.0
     feed_s: float = 0.0
@@ -67,7 +67,7 @@ def _kept_every_token(cache) -> bool | None:
     full cache, which always does)."""
     if not cache.method.compresses or not cache.layers:
         return None
-    return all(layer.length == layer.get_seq_length() for layer in cache.layers)
+    return all(layer.main.length == layer.get_seq_length() for layer in cache.layers)
 
 
 def register_measurement(measurement: Measurement) -> Measurement:
@@ -150,7 +150,7 @@ for _measurement in (
         "n_compressions", "compressions", DECODED, lambda run: run.cache.n_compressions, in_table=False
     ),
     # the protected windows the compressions kept, fewest over layers: the method's n_sink / n_recent
-    # unless a prompt too short for them at the budget shrank them (`centroidkv.budget.fit_protected`);
+    # unless a prompt too short for them at the budget shrank them (`centroidkv.cache.budget.fit_protected`);
     # None without a compression
     Measurement(
         "n_sink_used", "sinks", DECODED, lambda run: run.cache.protected_used()["n_sink_used"], in_table=False

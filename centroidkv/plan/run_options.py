@@ -1,4 +1,4 @@
-"""The options of a per-prompt plan (`centroidkv.plan`) that configurations and command lines check
+"""The options of a per-prompt plan (`centroidkv.plan.plan`) that configurations and command lines check
 before torch is imported: the protocols and the default decode batch."""
 
 CONTEXT_ONLY, FULL_PROMPT = "context_only", "full_prompt"

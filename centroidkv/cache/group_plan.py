@@ -1,6 +1,6 @@
 """What one head group does with its heads, as a value its layer hands it (`GroupPlan`).
 
-A head group (`centroidkv.head_group`) stores tensors; what it should do with them (the budget it is
+A head group (`centroidkv.cache.head_group`) stores tensors; what it should do with them (the budget it is
 compressed to and when, the storage format, which records to keep, how much headroom its buffers
 get) depends on settings of its cache, its layer and its method, which change: the prompt arrives,
 a byte plan is solved again, compression is paused. Rather than reach up to its layer and cache for
@@ -8,8 +8,8 @@ them, a group is handed a frozen `GroupPlan` on every call that needs one: value
 group holds no reference to its layer or cache (no reference cycle to free, nothing it could read
 out of date), and it can be driven, or tested, with any plan.
 
-The cache builds the plans (`centroidkv.cache.CompressedCache.group_plan`) and the layer hands them
-down (`centroidkv.cache_layer`): the cache's builder is the only place where a group's role
+The cache's planner builds the plans (`centroidkv.cache.planner.GroupPlanner.group_plan`) and the layer
+hands them down (`centroidkv.cache.cache_layer`): the planner is the only place where a group's role
 ("compressed", "whole", "favoured", "window") is turned into settings, and where a method's fields
 are read for a group. Nothing here reads the method's fields.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from centroidkv.budget import fit_protected
-from centroidkv.quantization import StorageFormat
+from centroidkv.cache.budget import fit_protected
+from centroidkv.cache.quantization import StorageFormat
 
 if TYPE_CHECKING:
     from centroidkv.methods import Method
@@ -52,5 +52,5 @@ class GroupPlan:
 
     def protected_windows(self) -> tuple[int, int]:
         """(n_sink, n_recent) a compression keeps: the method's, shrunk to the budget when it cannot
-        hold them (`centroidkv.budget.fit_protected`: the recent window first, then the sinks)."""
+        hold them (`centroidkv.cache.budget.fit_protected`: the recent window first, then the sinks)."""
         return fit_protected(self.budget_len, self.n_sink, self.n_recent, f"{self.label} at this budget")

@@ -3,12 +3,12 @@
 A method's head policy (`centroidkv.head_policy`) splits a layer's KV heads into groups at its first
 compression; until then, and under `heads=none`, one group holds every head. A group's `role`
 ("compressed", "whole", "favoured", "window") is a label: its cache turns it into a `GroupPlan`
-(`centroidkv.group_plan`: the budget, the storage format, the records to keep) and its layer hands
+(`centroidkv.cache.group_plan`: the budget, the storage format, the records to keep) and its layer hands
 that plan to every call of the group that needs settings. A group holds no reference to its layer or
 cache: it stores tensors and applies the plan it is given.
 
 Layout of a group (H_g its KV heads, H_q their query heads):
-  keys, values   [B, H_g, T, D]   entries (in the storage format: `centroidkv.quantization`)
+  keys, values   [B, H_g, T, D]   entries (in the storage format: `centroidkv.cache.quantization`)
   log_degree     [B, H_g, T]      float32 log of each entry's degree (None while all degrees are 1)
   extras[name]   [B, H_g, T]      entry records, aligned with the entries (`centroidkv.needs`)
   windows[name]  [B, H_q, w, ...] window records (e.g. the last w queries) of its query heads
@@ -31,11 +31,11 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from centroidkv.cache.group_plan import GroupPlan
+from centroidkv.cache.quantization import PackedCodes, concat, dequantize, quantize, value_group
 from centroidkv.compression import compress_protected
-from centroidkv.group_plan import GroupPlan
 from centroidkv.kv import LayerKV, LayerStats
 from centroidkv.needs import RECORDERS
-from centroidkv.quantization import PackedCodes, concat, dequantize, quantize, value_group
 
 # The slots a storage precision converts, and the axis of their integer codes: keys per channel,
 # values per token (KIVI).
@@ -46,7 +46,7 @@ class HeadGroup:
     """Some KV heads of one layer and what is stored for them (module docstring)."""
 
     def __init__(self, role: str = "compressed", heads: Tensor | None = None):
-        self.role = role  # which plan it is handed (`centroidkv.cache.CompressedCache.group_plan`)
+        self.role = role  # which plan it is handed (`centroidkv.cache.planner.GroupPlanner.group_plan`)
         self.heads = heads
         self.dtype: torch.dtype | None = None  # the model's, set by the first tokens
         self.keys: Tensor | None = None
@@ -366,7 +366,7 @@ class HeadGroup:
 # How to fix a fork whose source cache did not record what the method needs (the end of that error).
 FORK_NEEDS_FIX = (
     "record it in the source: pass needs=needs_of([...the methods you will fork to]) to "
-    "centroidkv.decoding.prefill, or needs=... to the source CompressedCache"
+    "centroidkv.plan.decoding.prefill, or needs=... to the source CompressedCache"
 )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 def prompt_length(tokenizer, context: str, question: str, protocol: str) -> int:
     """The prompt's tokens, the chat template included (what the model's positions must hold besides
     the new tokens), whichever way the protocol splits them."""
-    from centroidkv.chat import chat_prompt_ids
+    from centroidkv.models.chat import chat_prompt_ids
 
     message = f"{context}\n\n{question}" if question else context
     head, tail = chat_prompt_ids(tokenizer, message, question, context_only=protocol == "context_only")

@@ -1,6 +1,6 @@
 """What a method that compresses inside a prefill forward instead of forking the shared prefill (a
 bridge to another library's prefill hooks, e.g. kvpress's presses) hands the per-prompt plan
-(`centroidkv.plan.run`): a `PrefillCompressor` gives one `PrefillRun` per run and prompt."""
+(`centroidkv.plan.plan.run`): a `PrefillCompressor` gives one `PrefillRun` per run and prompt."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
-from centroidkv.cache import CompressedCache
+from centroidkv.cache.cache import CompressedCache
 from centroidkv.methods import Method
 from centroidkv.wrapper import innermost
 

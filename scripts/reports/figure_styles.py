@@ -17,7 +17,7 @@ import matplotlib
 import pandas as pd
 
 from centroidkv.methods import method_class, method_variant
-from scripts.tables import is_reference
+from scripts.reports.tables import is_reference
 
 MARKERS = "osv^D<>pPXh"  # "*" is the full cache's
 # tab20's strong colours, then their light ones, without its greys (the full cache's): 9 hues.
@@ -116,7 +116,7 @@ def full_style(index: int) -> dict:
     return dict(color=FULL_COLORS[index % len(FULL_COLORS)], linestyle="--", linewidth=1.2)
 
 
-# Storage precision -> marker in the score-vs-KV figure (centroidkv.quantization.PRECISIONS).
+# Storage precision -> marker in the score-vs-KV figure (centroidkv.cache.quantization.PRECISIONS).
 PRECISION_MARKERS = {"model": "o", "bf16": "D", "fp16": "d", "int8": "s", "int4": "^", "int2": "v"}
 
 

@@ -4,11 +4,11 @@
 
 1. which prefill each run starts from. A native method forks one shared prefill of the prompt that
    recorded what every native run needs (`centroidkv.needs`). A method that compresses inside a
-   prefill forward instead (a `PrefillCompressor` of `centroidkv.prefill_compressor`: a bridge to
+   prefill forward instead (a `PrefillCompressor` of `centroidkv.plan.prefill_compressor`: a bridge to
    another library's prefill hooks) hands back a per-run object (`PrefillRun`); with
    `share_prefill`, that object compresses its own fork of a prefill of the context layer by layer
-   (`centroidkv.decoding.PrefillTap`), else it gets a prefill of its own with its hooks active. One forward serves natives and taps when both prefill
-   the same tokens and nothing the natives record changes the attention's arithmetic;
+   (`centroidkv.plan.decoding.PrefillTap`), else it gets a prefill of its own with its hooks active.
+   One forward serves natives and taps when both prefill the same tokens and nothing the natives record changes the attention's arithmetic;
 2. how the forks decode: up to `decode_batch` of them as the rows of one batch (one weight pass per
    step), a run whose decoding hooks change the model (masks on the attention modules) alone;
 3. what a failure costs: a batch that fails starts each of its forks again from its own source and
@@ -19,7 +19,7 @@ protocol (context prefilled and compressed, question fed afterwards); the native
 given (`Prompt.protocol`). A context-only prompt may carry further questions (`Prompt.follow_ups`):
 each run compresses the context once and answers every question from a fork of that compressed
 cache, as kvpress's pipeline does with `questions=[...]` (one outcome per run and question).
-`centroidkv.generate`, `warm_up` and the harness's per-sample evaluation all call `run`.
+`centroidkv.plan.generate`, `warm_up` and the harness's per-sample evaluation all call `run`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from centroidkv.decoding import (
+from centroidkv.methods import Method, get_method
+from centroidkv.needs import RECORDERS
+from centroidkv.plan.decoding import (
     Fork,
     Generation,
     Prefill,
@@ -44,13 +46,11 @@ from centroidkv.decoding import (
     prefill,
     start_fork,
 )
-from centroidkv.measurements import COMPRESSED, RunState, measure
-from centroidkv.methods import Method, get_method
-from centroidkv.needs import RECORDERS
-from centroidkv.prefill_compressor import PrefillRun, compresses_in_prefill
-from centroidkv.prefill_store import PrefillStore, stored_prefill
-from centroidkv.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, check_decode_batch
-from centroidkv.timing import Timer
+from centroidkv.plan.measurements import COMPRESSED, RunState, measure
+from centroidkv.plan.prefill_compressor import PrefillRun, compresses_in_prefill
+from centroidkv.plan.prefill_store import PrefillStore, stored_prefill
+from centroidkv.plan.run_options import CONTEXT_ONLY, DEFAULT_DECODE_BATCH, FULL_PROMPT, check_decode_batch
+from centroidkv.plan.timing import Timer
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Run:
-    """One method at one budget (R), in `budget_unit` (None: the default unit, `centroidkv.budget`)."""
+    """One method at one budget (R), in `budget_unit` (None: the default unit, `centroidkv.cache.budget`)."""
 
     method: Method
     budget: float
@@ -128,8 +128,8 @@ def run(
     question q, so with one question outcome i is run i's. A failing prefill raises (every run of the
     prompt fails with it); a failing run keeps its error in its outcomes and the others go on.
     `on_outcome(k, outcome)` is called as soon as outcome k is final (e.g. to print each answer when
-    it is ready); `prefill_store` keeps the natives' prefills (`centroidkv.prefill_store`). ValueError for
-    follow-up questions under the full-prompt protocol."""
+    it is ready); `prefill_store` keeps the natives' prefills (`centroidkv.plan.prefill_store`).
+    ValueError for follow-up questions under the full-prompt protocol."""
     check_decode_batch(decode_batch)
     if prompt.follow_ups and prompt.protocol != CONTEXT_ONLY:
         raise ValueError("several questions need the context-only protocol (one compressed context)")
