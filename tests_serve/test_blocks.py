@@ -46,6 +46,7 @@ def unlimited() -> dict:
     return workload(1200)
 
 
+@pytest.mark.slow  # 4 min on an AVX2-only machine; make test keeps the rule of what is freed (test_heads)
 @needs_model
 def test_freed_blocks_let_more_requests_run_with_the_same_tokens(unlimited):
     small = workload(120)  # 21 blocks of 128 slots (the null block included) in float32
