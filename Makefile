@@ -31,10 +31,12 @@ $(STAMP): pyproject.toml
 # most 4: most of its tests wait on a process start-up or on one-thread tensor code), the plugin's
 # in one process whose engines run on one core each (serve-test converts the model they need first).
 test: $(STAMP) $(SERVE_STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test SERVE_TESTS='-m "not slow"'
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-harness serve-test \
+		HARNESS_TESTS='-m "not slow"' SERVE_TESTS='-m "not slow"'
 
+# The harness's suite alone: all of it (`make test` leaves out the tests marked slow).
 test-harness: $(STAMP)
-	$(BIN)/pytest -q -n auto --maxprocesses 4 tests
+	$(BIN)/pytest -q -n auto --maxprocesses 4 tests $(HARNESS_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check centroidkv centroidkv_vllm baselines eval scripts tests tests_serve

@@ -12,6 +12,12 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a minute or more of one test; `make test-harness` runs it, `make test` leaves it out"
+    )
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Small tensors: one thread is as fast and does not spin against other jobs on a shared CPU.

@@ -86,6 +86,7 @@ def test_seeded_weights():
 PROMPT_LEN = 512  # long enough for a compression of the middle (16 sinks + 64 recent of 129 kept)
 
 
+@pytest.mark.slow  # 90 s where the CPU's bf16 matmul is slow (no AVX-512)
 def test_mistral7b_two_layers_bf16_prefill_compress_decode():
     """A paper's model, cut to 2 layers, in bf16: prefill 512 tokens, compress to 0.25, decode.
     Mistral-7B has Llama-3.1-8B's attention (32 query / 8 KV heads of 128) and a quarter of its
