@@ -14,7 +14,8 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: a minute or more of one test; `make test-harness` runs it, `make test` leaves it out"
+        "markers",
+        "slow: a minute or more of one test; `make test-harness` runs it, `make test` leaves it out",
     )
 
 

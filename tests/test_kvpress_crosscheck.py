@@ -177,6 +177,7 @@ def test_same_positions_and_answers_as_kvpress_on_tiny_llama(tiny, name):
     compare_positions(model, kv_model, press, method, random_ids(512, 0), random_ids(QUESTION_LEN, 1))
 
 
+@pytest.mark.slow  # 20 s each; test_kvpress_methods checks SnapKV's positions on this model in make test
 @pytest.mark.parametrize("name", ["streaming_llm", "snapkv"])
 def test_same_positions_and_answers_as_kvpress_on_embedded_model(smollm, name):
     model, kv_model, tokenizer = smollm
@@ -201,7 +202,10 @@ class RecordingObservedAttention(kvpress.ObservedAttentionPress):
         return scores
 
 
-@pytest.mark.parametrize("model_name", ["tiny-llama", "smollm2-135m"])
+@pytest.mark.parametrize(
+    "model_name",
+    ["tiny-llama", pytest.param("smollm2-135m", marks=pytest.mark.slow)],  # 19 s
+)
 @torch.no_grad()
 def test_h2o_scores_coincide_with_observed_attention_up_to_normalisation(request, model_name):
     """Same attention, different normalisation: kvpress keeps the top-k of sum / (n - i), H2O the

@@ -139,6 +139,7 @@ def embedded():
 EMBEDDED_PRESSES = ("SnapKVPress", "TOVAPress", "KnormPress", "CompactorPress", "ExpectedAttentionPress")
 
 
+@pytest.mark.slow  # 45 s; the tiny-model job test below runs the same path in make test
 def test_embedded_model_shared_prefill_equals_own(embedded):
     """On the embedded model, one shared prefill against a prefill per press: the same kept entries in
     every layer, and the same greedy answer to the question fed afterwards (the runner's path is the
