@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from centroidkv_vllm.__main__ import DEFAULT_MODEL  # noqa: E402
 
 BLOCK = 128
+ITEMSIZE = {"bfloat16": 2, "float32": 4}  # bytes of one KV cache element per --dtype
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -63,6 +64,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budgets", default="0.5,0.25,0.125")
     parser.add_argument(
         "--heads", default="none,whole", help="head policies of the plugin's rows: none, whole or both"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=list(ITEMSIZE),
+        help="the model's and the KV cache's dtype in every row (float32 where the CPU has no bf16 "
+        "instructions: vLLM's bf16 kernels are then emulated)",
     )
     parser.add_argument("--compress-interval", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -86,18 +94,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def bytes_per_token(model: str) -> int:
-    """KV bytes of one token over all layers in bf16, from the model's config."""
+def bytes_per_token(model: str, dtype: str = "bfloat16") -> int:
+    """KV bytes of one token over all layers in `dtype`, from the model's config."""
     config = json.loads((Path(model) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    return 2 * 2 * config["num_hidden_layers"] * kv_heads * head_dim
+    return 2 * ITEMSIZE[dtype] * config["num_hidden_layers"] * kv_heads * head_dim
 
 
 def pool_mib(args: argparse.Namespace) -> float:
     """A pool of `fit` full-cache requests plus the null block, in MiB."""
     blocks = args.fit * math.ceil((args.prompt_tokens + args.new_tokens) / BLOCK) + 1
-    return blocks * BLOCK * bytes_per_token(args.model) / (1 << 20)
+    return blocks * BLOCK * bytes_per_token(args.model, args.dtype) / (1 << 20)
 
 
 def run_row(
@@ -114,7 +122,7 @@ def run_row(
     command = [sys.executable, "-m", "centroidkv_vllm", "workload", "--model", args.model]
     command += ["--requests", str(args.requests), "--prompt-tokens", str(args.prompt_tokens)]
     command += ["--max-tokens", str(args.new_tokens), "--kv-mib", f"{kv_mib:.4f}"]
-    command += ["--max-num-seqs", str(args.max_num_seqs)]
+    command += ["--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype]
     if budget is None:
         command.append("--stock")
     else:
