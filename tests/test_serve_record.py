@@ -68,3 +68,17 @@ def test_quick_bench_rows_are_stock_then_each_budget_under_both_head_policies(ca
     with pytest.raises(SystemExit):
         serve_bench.parse_args(["--heads", "budget"])
     assert "--heads 'budget'" in capsys.readouterr().err
+
+
+def test_the_bench_runs_in_bf16_only_where_the_cpu_computes_in_it(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f\n")
+    assert serve_bench.native_dtype(str(cpuinfo)) == "float32"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert serve_bench.native_dtype(str(cpuinfo)) == "bfloat16"
+    assert serve_bench.native_dtype(str(tmp_path / "absent")) == "float32"
+    # the pool is sized in the rows' dtype: 2 layers x 2 KV heads x 64 x (K, V) x 2 or 4 bytes
+    shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    assert serve_bench.bytes_per_token(str(tmp_path)) == 1024
+    assert serve_bench.bytes_per_token(str(tmp_path), "float32") == 2048
