@@ -15,7 +15,7 @@
   log-degree 0 at their slots (which may hold a former centroid's), then the attention;
 - the attention runs vLLM's C++ kernel for the whole batch, then recomputes the rows of requests that
   hold centroids with `degree_attention` (softmax(scale q.k + log n) v, arXiv 2506.11418, Sec. 3;
-  decoding rows of a bf16 cache by the plugin's own C++ loop, `centroidkv_vllm.compiled`)
+  decoding rows of a bf16 or float32 cache by the plugin's own C++ loop, `centroidkv_vllm.compiled`)
   over their entries [start, length): the kernel has no per-key additive term and reads a request
   from position 0. Those rows are handed to the kernel with a length of their query only (its output
   for them is discarded), so it never reads the blocks the scheduler has freed at length cost.

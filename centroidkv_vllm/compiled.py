@@ -3,12 +3,11 @@ the fallback.
 
 `batched_degree_attention` gathers a batch's blocks into float32 tensors before two matmuls; on a CPU
 that copy costs about as much as the attention (scripts/bench_plugin_attention.py). The C++ loop
-computes the same softmax(scale q.k + log n) v in float32, reading the bf16 blocks where vLLM keeps
-them, 16 lanes at a time, its (request, KV head) pairs over torch's threads. It is built once per
+computes the same softmax(scale q.k + log n) v in float32, reading the bf16 or float32 blocks where
+vLLM keeps them, 16 lanes at a time, its (request, KV head) pairs over torch's threads. It is built once per
 checkout by torch's extension loader (about 40 s, cached under ~/.cache/torch_extensions); where no
 compiler is found the plugin logs one warning and keeps the PyTorch path. Other cache dtypes
-(float32, float16), and head dims or block sizes that are not multiples of 16, always take the
-PyTorch path.
+(float16), and head dims or block sizes that are not multiples of 16, always take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from centroidkv_vllm.paged import DecodeBatch, batched_degree_attention
 
 logger = logging.getLogger("vllm.centroidkv")
 SOURCE = Path(__file__).with_name("degree_decode.cpp")
+COMPILED_DTYPES = (torch.bfloat16, torch.float32)  # the cache dtypes the loop reads
 
 
 @functools.cache
@@ -52,10 +52,10 @@ def compiled() -> ModuleType | None:
 def decode_attention(
     query: Tensor, kv_cache: Tensor, log_degree: Tensor, batch: DecodeBatch, scale: float, use_compiled: bool
 ) -> Tensor:
-    """`batched_degree_attention`'s result, by the C++ loop for a bf16 cache when `use_compiled` and
-    it is built, else by PyTorch."""
+    """`batched_degree_attention`'s result, by the C++ loop for a bf16 or float32 cache when
+    `use_compiled` and it is built, else by PyTorch."""
     num_blocks, heads, block_size, two_dim = kv_cache.shape
-    module = compiled() if use_compiled and kv_cache.dtype == torch.bfloat16 else None
+    module = compiled() if use_compiled and kv_cache.dtype in COMPILED_DTYPES else None
     if module is None or block_size % module.LANES or (two_dim // 2) % module.LANES:
         return batched_degree_attention(query, kv_cache, log_degree, batch, scale)
     blocks = kv_cache.view(num_blocks, heads, 2, block_size * (two_dim // 2))

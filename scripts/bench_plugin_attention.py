@@ -1,9 +1,10 @@
 """The plugin's decode attention against vLLM's own C++ kernel, per layer, side by side in one run.
 
     .venv-serve/bin/python scripts/bench_plugin_attention.py [--shapes 4:2560,11:704,16:384] [--threads 1] [--layers 30]
+        [--dtype bfloat16|float32]
 
 For each shape (running requests : entries each) all attend one decoding query per request over
-the same random bf16 blocks of 128 slots, on one thread (`--threads`: more): the plugin's decode
+the same random blocks of 128 slots (bf16, or `--dtype float32`), on one thread (`--threads`: more): the plugin's decode
 attention (float32 inside, log-degrees added: what every decoding row of a compressed request runs)
 in PyTorch (`batched_degree_attention`) and as its C++ loop (`centroidkv_vllm.compiled`, the default;
 built first if need be), and vLLM's `vec` kernel (`kernel_attention`: what stock vLLM runs; it has no
@@ -46,17 +47,19 @@ def median_ms(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def one_shape(requests: int, entries: int, layers: int, repeats: int) -> tuple[float, float, float]:
+def one_shape(
+    requests: int, entries: int, layers: int, repeats: int, dtype: torch.dtype
+) -> tuple[float, float, float]:
     """(PyTorch ms, C++ loop ms, vLLM kernel ms) per layer for `requests` decoding rows over `entries`
     each, log-degrees 0, one pass over `layers` layers of their own blocks."""
     gen = torch.Generator().manual_seed(0)
     per_request = -(-entries // BLOCK)
     num_blocks = requests * per_request + 1  # block 0 is vLLM's null block
-    caches = [torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).bfloat16() for _ in range(layers)]
+    caches = [torch.randn(num_blocks, HEADS, BLOCK, 2 * DIM, generator=gen).to(dtype) for _ in range(layers)]
     degrees = [torch.zeros(num_blocks * BLOCK, HEADS) for _ in range(layers)]
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: requests * per_request]
     table = table.view(requests, per_request).int()
-    query = torch.randn(requests, Q_HEADS, DIM, generator=gen).bfloat16()
+    query = torch.randn(requests, Q_HEADS, DIM, generator=gen).to(dtype)
     batch = DecodeBatch.of(table, [(i, i, 0, entries) for i in range(requests)], BLOCK)
     seq_lens = torch.full((requests,), entries, dtype=torch.int32)
     query_start = torch.arange(requests + 1, dtype=torch.int32)
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads, for all three")
     parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the cache's dtype"
+    )
+    parser.add_argument(
         "--layers", type=int, default=30, help="layers of their own blocks per pass (1: cache-resident)"
     )
     args = parser.parse_args(argv)
@@ -107,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for requests, entries in shapes:
-        pytorch, loop, kernel = one_shape(requests, entries, args.layers, args.repeats)
+        pytorch, loop, kernel = one_shape(
+            requests, entries, args.layers, args.repeats, getattr(torch, args.dtype)
+        )
         print(
             f"| {requests} x {entries} | {pytorch:.2f} | {loop:.2f} | {kernel:.2f} "
             f"| {pytorch / loop:.1f} | {loop / kernel:.1f} |"

@@ -100,6 +100,11 @@ def test_consistent_tensors_are_attended(module):
         pytest.param(
             {"blocks": torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)}, "int64", id="int32-blocks"
         ),
+        pytest.param(
+            {"cache": torch.zeros(NUM_BLOCKS, HEADS, 2, BLOCK * DIM, dtype=torch.float16)},
+            "cache bfloat16 or float32",
+            id="float16-cache",
+        ),
     ],
 )
 def test_an_inconsistent_tensor_is_refused(module, change, message):

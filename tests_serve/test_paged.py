@@ -105,11 +105,12 @@ def test_degrees_one_equal_vllm_kernel(t):
     [(HEADS, Q_HEADS, DIM), (1, 10, 128), (2, 2, 80)],
     ids=["smollm2", "group-10-dim-128", "group-1-dim-80"],
 )
-def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, heads, q_heads, dim):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, heads, q_heads, dim, dtype):
     """Rows that hold centroids and decode one token are attended together, by whole blocks from the
     one holding each kept start; each must equal `degree_attention` over its own entries, by PyTorch
     and by the C++ loop (built here unless the machine has no C++ compiler), whose query heads per KV
-    head go 8 at a time (10: two passes) over head dims of 16-lane steps."""
+    head go 8 at a time (10: two passes) over head dims of 16-lane steps, in a bf16 or float32 cache."""
     from centroidkv_vllm.compiled import compiled, decode_attention
     from centroidkv_vllm.paged import DecodeBatch
 
@@ -120,11 +121,12 @@ def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, hea
 
     gen = torch.Generator().manual_seed(5)
     num_blocks = 40
-    kv_cache = torch.randn(num_blocks, heads, BLOCK, 2 * dim, generator=gen).bfloat16()
+    kv_cache = torch.randn(num_blocks, heads, BLOCK, 2 * dim, generator=gen).to(dtype)
     log_degree = torch.rand(num_blocks * BLOCK, heads, generator=gen)
     table = torch.randperm(num_blocks - 1, generator=gen)[:24].view(3, 8).int() + 1
     rows = [(0, 0, 0, 300), (1, 1, 200, 517), (2, 2, 700, 1001)]  # (row, token, kept start, length)
-    query = torch.randn(3, q_heads, dim, generator=gen).bfloat16()
+    query = torch.randn(3, q_heads, dim, generator=gen).to(dtype)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # the output is rounded to the cache's dtype
     batch = DecodeBatch.of(table, rows, BLOCK)
     scale = dim**-0.5
     out = decode_attention(query, kv_cache, log_degree, batch, scale, use_compiled)
@@ -132,7 +134,8 @@ def test_batched_decode_attention_equals_one_request_at_a_time(use_compiled, hea
         slots = request_slots(table[index], start, length, BLOCK)
         keys, values = read_entries(kv_cache, slots)
         one = degree_attention(query[token : token + 1], keys, values, log_degree[slots].t(), scale)
-        assert (out[token].float() - one[0].float()).abs().max().item() < 1e-2
+        assert out.dtype == dtype
+        assert (out[token].float() - one[0].float()).abs().max().item() < tolerance
     if use_compiled:  # the loop splits (request, KV head) pairs over torch's threads: not a bit moves
         threads = torch.get_num_threads()
         try:
@@ -153,7 +156,9 @@ def test_the_attention_benchmark_times_both_on_the_same_blocks(capsys):
     main(["--shapes", "2:300,3:129", "--repeats", "2", "--layers", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| 2 x 300", "| 3 x 129"]
-    assert all(ms > 0 for ms in one_shape(2, 300, 3, 2))
+    assert all(ms > 0 for ms in one_shape(2, 300, 3, 2, torch.bfloat16))
+    main(["--shapes", "2:300", "--repeats", "2", "--layers", "2", "--dtype", "float32"])
+    assert capsys.readouterr().out.splitlines()[2].startswith("| 2 x 300 |")
     with pytest.raises(SystemExit, match="requests:entries"):
         main(["--shapes", "2:0"])
     with pytest.raises(SystemExit, match="--layers"):
