@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-Tokenizer = Any  # a Hugging Face tokenizer; kept loose so that tests may pass light stand-ins
+
+class Tokenizer(Protocol):
+    """What the benchmarks call on a tokenizer: a Hugging Face one, or a test's light stand-in."""
+
+    def __call__(self, text: str, **kwargs: Any) -> Mapping[str, Sequence[int]]: ...
+
+    def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
 
 
 def resolve_tokenizer(tokenizer: Tokenizer | str) -> Tokenizer:
