@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -119,7 +121,7 @@ def parse_params(text: str) -> dict:
     return params
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--length", type=int, default=4096)
@@ -128,7 +130,83 @@ def main() -> None:
     parser.add_argument("--best", default="similarity=pre_rope", help="CentroidKV params of 'best' (k=v,...)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+Key = tuple[str, str, float]  # (value kind, configuration, budget)
+
+
+@dataclass
+class Findings:
+    """What the prompts showed: needle fate per layer (7-digit values), scores, value token counts."""
+
+    fate: dict[Key, torch.Tensor] = field(default_factory=dict)
+    scores: dict[Key, list[float]] = field(default_factory=dict)
+    n_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+def run_prompts(args: argparse.Namespace, configs: dict, budgets: list[float]) -> Findings:
+    """One shared prefill per prompt and value kind; every configuration and budget from it."""
+    model, tokenizer = load_model(EMBEDDED_MODEL)
+    needs = [*needs_of(configs.values()), NEEDLE]
+    found = Findings()
+    for kind in VALUE_KINDS:
+        with value_kind(kind) as task:
+            samples = generate_samples(task, args.length, tokenizer, args.samples, seed=0)
+        for sample in tqdm(samples, desc=kind, unit="prompt"):
+            head, _ = encode_prompt(sample, tokenizer, context_only=False)
+            positions = value_positions(head, sample["answers"][0], tokenizer)
+            found.n_tokens.setdefault(kind, []).append(len(positions))
+            MARK.positions = torch.tensor(positions)
+            pre = prefill(model, torch.tensor([head]), args.max_new_tokens, needs=needs)
+            for name, method in configs.items():
+                for budget in budgets if method.compresses else [1.0]:
+                    key = (kind, name, budget)
+                    if kind == VALUE_KINDS[0] and method.compresses:
+                        cache = pre.cache.fork(method, budget, needs=[NEEDLE])
+                        share = needle_fate(cache, len(positions)) / len(samples)
+                        found.fate[key] = found.fate.get(key, 0) + share
+                        del cache
+                    result = generate_from(model, pre, method, budget, args.max_new_tokens)
+                    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+                    found.scores.setdefault(key, []).append(100 * string_match_all(text, sample["answers"]))
+            del pre
+    return found
+
+
+def print_fate(found: Findings, configs: dict, budgets: list[float]) -> None:
+    print(
+        "\n## Needle fate per layer (7-digit values, essay haystack): intact / merged-needle / merged-haystack / evicted"
+    )
+    compressed = [name for name in configs if name != "full"]
+    for budget in budgets:
+        print(f"\nbudget {budget}\n\n| layer | " + " | ".join(compressed) + " |")
+        print("|---|" + "---|" * len(compressed))
+        n_layers = next(iter(found.fate.values())).shape[0]
+        for layer in [*range(0, n_layers, 3), n_layers - 1]:
+            cells = [found.fate[(VALUE_KINDS[0], name, budget)][layer] for name in compressed]
+            print(
+                f"| {layer} | "
+                + " | ".join(" / ".join(f"{100 * float(s):.0f}" for s in c) for c in cells)
+                + " |"
+            )
+        means = [found.fate[(VALUE_KINDS[0], name, budget)].mean(0) for name in compressed]
+        print("| mean | " + " | ".join(" / ".join(f"{100 * float(s):.0f}" for s in m) for m in means) + " |")
+
+
+def print_scores(found: Findings, configs: dict, budgets: list[float]) -> None:
+    print("\n## Score by needle value type (niah_single_2, % of prompts whose answer contains the value)\n")
+    columns = [(name, budget) for name in configs for budget in (budgets if name != "full" else [1.0])]
+    print("| value (tokens) | " + " | ".join(f"{name} {budget}" for name, budget in columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for kind in VALUE_KINDS:
+        tokens = found.n_tokens[kind]
+        cells = [statistics.fmean(found.scores[(kind, name, budget)]) for name, budget in columns]
+        print(f"| {kind} ({min(tokens)}-{max(tokens)}) | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     budgets = [float(b) for b in args.budgets.split(",")]
     configs = {
@@ -137,71 +215,9 @@ def main() -> None:
         "best": get_method("centroidkv", **parse_params(args.best)),
         "streaming_llm": get_method("streaming_llm"),
     }
-    model, tokenizer = load_model(EMBEDDED_MODEL)
-    needs = [*needs_of(configs.values()), NEEDLE]
-    fate: dict[tuple[str, str, float], torch.Tensor] = {}
-    scores: dict[tuple[str, str, float], list[float]] = {}
-    n_tokens: dict[str, list[int]] = {}
-    for kind in VALUE_KINDS:
-        with value_kind(kind) as task:
-            samples = generate_samples(task, args.length, tokenizer, args.samples, seed=0)
-        for sample in tqdm(samples, desc=kind, unit="prompt"):
-            head, tail = encode_prompt(sample, tokenizer, context_only=False)
-            positions = value_positions(head, sample["answers"][0], tokenizer)
-            n_tokens.setdefault(kind, []).append(len(positions))
-            MARK.positions = torch.tensor(positions)
-            pre = prefill(model, torch.tensor([head]), args.max_new_tokens, needs=needs)
-            for name, method in configs.items():
-                for budget in budgets if method.compresses else [1.0]:
-                    if kind == VALUE_KINDS[0] and method.compresses:
-                        cache = pre.cache.fork(method, budget, needs=[NEEDLE])
-                        key = (kind, name, budget)
-                        fate[key] = fate.get(key, 0) + needle_fate(cache, len(positions)) / len(samples)
-                        del cache
-                    result = generate_from(model, pre, method, budget, args.max_new_tokens)
-                    text = tokenizer.decode(result.tokens[0], skip_special_tokens=True)
-                    scores.setdefault((kind, name, budget), []).append(
-                        100 * string_match_all(text, sample["answers"])
-                    )
-            del pre
-
-    print(
-        "\n## Needle fate per layer (7-digit values, essay haystack): intact / merged-needle / merged-haystack / evicted"
-    )
-    for budget in budgets:
-        print(f"\nbudget {budget}\n\n| layer | " + " | ".join(n for n in configs if n != "full") + " |")
-        print("|---|" + "---|" * (len(configs) - 1))
-        n_layers = next(iter(fate.values())).shape[0]
-        for layer in [*range(0, n_layers, 3), n_layers - 1]:
-            cells = []
-            for name in configs:
-                if name == "full":
-                    continue
-                shares = fate[(VALUE_KINDS[0], name, budget)][layer]
-                cells.append(" / ".join(f"{100 * float(s):.0f}" for s in shares))
-            print(f"| {layer} | " + " | ".join(cells) + " |")
-        means = {n: fate[(VALUE_KINDS[0], n, budget)].mean(0) for n in configs if n != "full"}
-        print(
-            "| mean | "
-            + " | ".join(" / ".join(f"{100 * float(s):.0f}" for s in m) for m in means.values())
-            + " |"
-        )
-
-    print("\n## Score by needle value type (niah_single_2, % of prompts whose answer contains the value)\n")
-    print(
-        "| value (tokens) | "
-        + " | ".join(f"{n} {b}" for n in configs for b in (budgets if n != "full" else [1.0]))
-        + " |"
-    )
-    print("|---|" + "---|" * (1 + (len(configs) - 1) * len(budgets)))
-    for kind in VALUE_KINDS:
-        tokens = n_tokens[kind]
-        cells = [
-            f"{sum(scores[(kind, n, b)]) / len(scores[(kind, n, b)]):.0f}"
-            for n in configs
-            for b in (budgets if n != "full" else [1.0])
-        ]
-        print(f"| {kind} ({min(tokens)}-{max(tokens)}) | " + " | ".join(cells) + " |")
+    found = run_prompts(args, configs, budgets)
+    print_fate(found, configs, budgets)
+    print_scores(found, configs, budgets)
     print(
         f"\n{args.samples} prompts per value type, {args.length} tokens, seed 0; default={configs['default']}"
     )
