@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from centroidkv_vllm.compiled import compiled, decode_attention  # noqa: E402
+from centroidkv_vllm.compiled import COMPILED_DTYPES, compiled, decode_attention  # noqa: E402
 from centroidkv_vllm.paged import DecodeBatch, kernel_attention  # noqa: E402
 
 BLOCK = 128
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads, for all three")
     parser.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the cache's dtype"
+        "--dtype",
+        default="bfloat16",
+        choices=[str(dtype).removeprefix("torch.") for dtype in COMPILED_DTYPES],
+        help="the cache's dtype",
     )
     parser.add_argument(
         "--layers", type=int, default=30, help="layers of their own blocks per pass (1: cache-resident)"
