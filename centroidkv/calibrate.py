@@ -104,6 +104,9 @@ def head_file_for(model_name: str, score: str = "clustering") -> Path | None:
     return next((p for p in candidates if is_file(p)), None)
 
 
+NOT_CALIBRATED = "(not calibrated yet)"  # how an identity names a head file this machine lacks
+
+
 def head_file_identity(path: Path) -> str:
     """`<file> sha256:<12 hex digits>`: which head file a run reads and what it holds, for job
     identities and records ("not calibrated yet" for the file `auto` asks the harness to calibrate).
@@ -118,7 +121,7 @@ def head_file_identity(path: Path) -> str:
     else:
         where = str(path)
     if not is_file(path):
-        return f"{where} (not calibrated yet)"
+        return f"{where} {NOT_CALIBRATED}"
     return f"{where} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
 
 

@@ -28,6 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from centroidkv.calibrate import NOT_CALIBRATED  # noqa: E402
 from eval.compact_store import read_compact  # noqa: E402
 from eval.records import record_key  # noqa: E402
 from eval.run_config import ConfigError, RunConfig  # noqa: E402
@@ -48,20 +49,35 @@ def job_config(job: str, identity: dict[str, Any], overrides: list[str], results
     if len(configs) != 1:
         raise ConfigError([f"{job}: {' '.join(argv)} composes {len(configs)} jobs, not one"])
     config = configs[0]
-    found = config.identity()
-    differing = sorted(key for key in {*found, *identity} if found.get(key) != identity.get(key))
+    differing = identity_differences(identity, config.identity(), uncalibrated_ok=True)
     if differing:
-        shown = ", ".join(
-            f"{key} ({identity.get(key)!r:.40} committed, {found.get(key)!r:.40} now)"
-            for key in differing[:3]
-        )
-        more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
         raise ConfigError(
-            [
-                f"{job}: {' '.join(argv)} is not the committed job: {shown}{more}; add its overrides (--override)"
-            ]
+            [f"{job}: {' '.join(argv)} is not the committed job: {differing}; add its overrides (--override)"]
         )
     return config
+
+
+def identity_differences(committed: dict[str, Any], found: dict[str, Any], uncalibrated_ok: bool) -> str:
+    """The keys where `found` differs from the `committed` identity, each with both values ("" when
+    none). With `uncalibrated_ok`, a head file this machine has not calibrated yet is no difference:
+    the rerun calibrates it after the model loads and checks its hash then."""
+    differing = sorted(
+        key
+        for key in {*committed, *found}
+        if found.get(key) != committed.get(key)
+        and not (uncalibrated_ok and str(found.get(key)).endswith(NOT_CALIBRATED))
+    )
+    shown = ", ".join(
+        f"{key} ({shorten(committed.get(key))} committed, {shorten(found.get(key))} now)"
+        for key in differing[:3]
+    )
+    return shown + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+
+
+def shorten(value: Any, width: int = 60) -> str:
+    """repr(value), its middle cut when long: the ends (a file's name, its hash) are what differ."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[: width // 2 - 2]}...{text[-(width // 2 - 1) :]}"
 
 
 def chosen(work: list, sample_ids: set[str] | None, first: int | None) -> list:
@@ -81,7 +97,13 @@ def chosen(work: list, sample_ids: set[str] | None, first: int | None) -> list:
     return kept
 
 
-def rerun_job(config: RunConfig, job: str, sample_ids: set[str] | None, first: int | None) -> list[dict]:
+def rerun_job(
+    config: RunConfig,
+    job: str,
+    committed_identity: dict[str, Any],
+    sample_ids: set[str] | None,
+    first: int | None,
+) -> list[dict]:
     """The records of the chosen samples of `config`'s job, run again as the job runs them, named
     as its records are (model, experiment, job, the method's fields)."""
     import torch
@@ -92,7 +114,12 @@ def rerun_job(config: RunConfig, job: str, sample_ids: set[str] | None, first: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each worker of workers=N
     try:
-        model, tokenizer, samples = load_for(config)
+        model, tokenizer, samples = load_for(config)  # calibrates the head files this machine lacks
+        calibrated = identity_differences(committed_identity, config.identity(), uncalibrated_ok=False)
+        if calibrated:
+            raise ConfigError(
+                [f"{job}: the head files calibrated here are not the committed ones: {calibrated}"]
+            )
         evaluator = Evaluator.of_job(config, model, tokenizer)
         if config.warmup:
             evaluator.warm_up()
@@ -153,7 +180,11 @@ def verify(
             job: job_config(job, identity or {}, overrides, Path(results_dir))
             for job, identity in identities.items()
         }
-        rerun = [r for job, config in configs.items() for r in rerun_job(config, job, sample_ids, first)]
+        rerun = [
+            record
+            for job, config in configs.items()
+            for record in rerun_job(config, job, identities[job] or {}, sample_ids, first)
+        ]
     return len(rerun), differences(committed, rerun)
 
 

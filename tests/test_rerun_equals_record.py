@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from centroidkv.calibrate import NOT_CALIBRATED
 from eval.compact_store import read_compact
 from eval.run_config import ConfigError
-from scripts.verify_published import differences, job_config, main, rerun_job
+from scripts.verify_published import differences, identity_differences, job_config, main, rerun_job
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPACT = ROOT / "results" / "rerun_check.jsonl.gz"
@@ -24,7 +25,7 @@ def rerun_records() -> list[dict]:
     [(job, identity)] = header["identities"].items()
     with tempfile.TemporaryDirectory() as results_dir:
         config = job_config(job, identity, [], Path(results_dir))
-    return rerun_job(config, job, None, None)
+    return rerun_job(config, job, identity, None, None)
 
 
 def test_the_whole_job_is_rerun_with_centroidkv_batched_among_other_forks(rerun_records):
@@ -64,3 +65,21 @@ def test_the_identity_check_names_the_overrides_it_composed():
     with tempfile.TemporaryDirectory() as results_dir, pytest.raises(ConfigError) as refused:
         job_config(job, {**identity, "decode_batch": 1}, [], Path(results_dir))
     assert refused.value.lines[0].startswith(f"{job}: experiment=rerun_check model=smollm2-135m is not")
+
+
+HEADS_KEY = "methods.centroidkv-whole.heads_file_read"
+CALIBRATED = "<cache>/outlier_heads/qwen2.5-0.5b.json sha256:bdd0e8e0a40a"
+
+
+def test_a_head_file_this_machine_has_not_calibrated_waits_for_the_rerun_to_calibrate_it():
+    missing = {HEADS_KEY: f"<cache>/outlier_heads/qwen2.5-0.5b.json {NOT_CALIBRATED}"}
+    assert identity_differences({HEADS_KEY: CALIBRATED}, missing, uncalibrated_ok=True) == ""
+    # once calibrated (after the model loads) the file must be the committed one
+    said = identity_differences({HEADS_KEY: CALIBRATED}, missing, uncalibrated_ok=False)
+    assert said.startswith(HEADS_KEY)
+
+
+def test_a_head_file_with_another_hash_is_named_with_both_hashes():
+    other = {HEADS_KEY: CALIBRATED.replace("bdd0e8e0a40a", "0123456789ab")}
+    said = identity_differences({HEADS_KEY: CALIBRATED}, other, uncalibrated_ok=True)
+    assert "bdd0e8e0a40a" in said and "0123456789ab" in said
