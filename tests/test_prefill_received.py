@@ -1,6 +1,6 @@
 """A prefill that records the attention each entry receives (H2O, CaM) takes SDPA's causal kernel plus
-one reversed pass: the same keys and values as a plain prefill, bit for bit, and the same records as
-the blocked softmax it replaced."""
+one tiled pass over the logits: the same keys and values as a plain prefill, bit for bit, and the same
+records as the blocked softmax it replaced."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import centroidkv.attention as attention
-from centroidkv.attention import attention_with_received, prefill_with_received
+from centroidkv.attention import attention_with_received, prefill_with_received, received_attention
 from centroidkv.needs import ATTENTION_SUM
 from centroidkv.plan.decoding import prefill
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("length,scale", [(1, 1.0), (37, 1.0), (300, 3.0), (300, 40.0)])
-def test_the_reversed_pass_equals_the_blocked_softmax(length, scale):
+def test_the_logits_pass_equals_the_blocked_softmax(length, scale):
     """40x logits spread the rows' log-sum-exp over 100s, as a sink token's rows do in real models."""
     generator = torch.Generator().manual_seed(length)
     query = torch.randn(2, 6, length, 16, generator=generator) * scale
@@ -25,6 +25,22 @@ def test_the_reversed_pass_equals_the_blocked_softmax(length, scale):
     output, received = prefill_with_received(query, keys, values, 0.25)
     torch.testing.assert_close(output, expected_output.transpose(1, 2), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(received, expected_received, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [(7, 11), (16, 5), (1, 300), (512, 512)])
+def test_any_tiling_gives_the_same_received_attention(tile):
+    """Tiles that cut the diagonal anywhere, taller than wide and the other way round, or hold it all."""
+    generator = torch.Generator().manual_seed(sum(tile))
+    query = torch.randn(1, 6, 123, 16, generator=generator) * 3
+    keys, values = (torch.randn(1, 3, 123, 16, generator=generator) for _ in range(2))
+    _, expected = attention_with_received(query, keys, values, None, 0.25)
+    repeated = [t.repeat_interleave(2, dim=1) for t in (keys, values)]
+    lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, *repeated, 0.0, True, scale=0.25)[
+        1
+    ]
+    torch.testing.assert_close(
+        received_attention(query, keys, lse, 0.25, tile), expected, rtol=2e-5, atol=1e-5
+    )
 
 
 def test_a_recording_prefill_keeps_the_plain_prefills_keys_and_the_old_records(tiny_model, monkeypatch):
