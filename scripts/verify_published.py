@@ -7,7 +7,8 @@
   make verify-published VERIFY=results/reproduce_ruler_cpu.jsonl.gz ARGS="--first 1"
 
 Each job of the file is composed again (`experiment=<its experiment> model=<its model>`, then any
-`--override`) and must have the committed identity (settings, head files with their hashes, samples):
+`--override`) and must have the committed identity (settings, head files with their hashes, samples;
+`--any-head-scores` lets a head file calibrated on this CPU differ in its scores' last digits):
 otherwise one line says which keys differ. Its chosen samples then run as the job ran them: the
 runner's model and samples (`eval.runner.load_for`), its warm-up, its pending method entries per
 sample and its decode batches, in one process of one torch thread, as each of `workers=N` has.
@@ -38,7 +39,9 @@ MACHINE_FIELDS = ("ttft", "tpot", "load_1min", "n_cores")  # where and when it r
 COMPARED_FIELDS = tuple(field for field in COMPACT_FIELDS if field not in MACHINE_FIELDS)
 
 
-def job_config(job: str, identity: dict[str, Any], overrides: list[str], results_dir: Path) -> RunConfig:
+def job_config(
+    job: str, identity: dict[str, Any], overrides: list[str], results_dir: Path, any_head_scores: bool = False
+) -> RunConfig:
     """The run config of committed `job` (experiment/job) composed again; ConfigError (one line) when
     it does not have the committed `identity`."""
     from eval.sweep import plan
@@ -49,7 +52,10 @@ def job_config(job: str, identity: dict[str, Any], overrides: list[str], results
     if len(configs) != 1:
         raise ConfigError([f"{job}: {' '.join(argv)} composes {len(configs)} jobs, not one"])
     config = configs[0]
-    differing = identity_differences(identity, config.identity(), uncalibrated_ok=True)
+    found = config.identity()
+    if any_head_scores:  # the head files are compared once the rerun has calibrated them
+        found = {k: identity.get(k) if k.endswith(".heads_file_read") else v for k, v in found.items()}
+    differing = identity_differences(identity, found, uncalibrated_ok=True)
     if differing:
         raise ConfigError(
             [f"{job}: {' '.join(argv)} is not the committed job: {differing}; add its overrides (--override)"]
@@ -61,17 +67,34 @@ def identity_differences(committed: dict[str, Any], found: dict[str, Any], uncal
     """The keys where `found` differs from the `committed` identity, each with both values ("" when
     none). With `uncalibrated_ok`, a head file this machine has not calibrated yet is no difference:
     the rerun calibrates it after the model loads and checks its hash then."""
-    differing = sorted(
-        key
-        for key in {*committed, *found}
-        if found.get(key) != committed.get(key)
-        and not (uncalibrated_ok and str(found.get(key)).endswith(NOT_CALIBRATED))
-    )
+    differing = differing_keys(committed, found, uncalibrated_ok)
     shown = ", ".join(
         f"{key} ({shorten(committed.get(key))} committed, {shorten(found.get(key))} now)"
         for key in differing[:3]
     )
     return shown + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+
+
+def differing_keys(committed: dict[str, Any], found: dict[str, Any], uncalibrated_ok: bool) -> list[str]:
+    return sorted(
+        key
+        for key in {*committed, *found}
+        if found.get(key) != committed.get(key)
+        and not (uncalibrated_ok and str(found.get(key)).endswith(NOT_CALIBRATED))
+    )
+
+
+def heads_listed(model, identity: dict[str, Any], keys: list[str]) -> str:
+    """The heads each method whose head file is among `keys` keeps apart, from the file read here."""
+    from centroidkv.calibrate import listed_heads_for
+
+    said = []
+    for key in keys:
+        method = key.removeprefix("methods.").removesuffix(".heads_file_read")
+        source = identity[f"methods.{method}.params.heads_file"]
+        heads = listed_heads_for(model, source, identity[f"methods.{method}.params.heads_fraction"])
+        said.append(f"{method}: {sorted((layer, h) for layer, hs in heads.items() for h in hs)}")
+    return "; ".join(said)
 
 
 def shorten(value: Any, width: int = 60) -> str:
@@ -103,9 +126,12 @@ def rerun_job(
     committed_identity: dict[str, Any],
     sample_ids: set[str] | None,
     first: int | None,
+    any_head_scores: bool = False,
 ) -> list[dict]:
     """The records of the chosen samples of `config`'s job, run again as the job runs them, named
-    as its records are (model, experiment, job, the method's fields)."""
+    as its records are (model, experiment, job, the method's fields). `any_head_scores`: a head file
+    calibrated here may hash otherwise than the committed one (its scores' last digits change from one
+    CPU to another); the heads it lists are printed and the records decide."""
     import torch
 
     from eval.evaluate import Evaluator
@@ -115,11 +141,17 @@ def rerun_job(
     torch.set_num_threads(1)  # as each worker of workers=N
     try:
         model, tokenizer, samples = load_for(config)  # calibrates the head files this machine lacks
-        calibrated = identity_differences(committed_identity, config.identity(), uncalibrated_ok=False)
-        if calibrated:
-            raise ConfigError(
-                [f"{job}: the head files calibrated here are not the committed ones: {calibrated}"]
-            )
+        found = config.identity()
+        if calibrated := identity_differences(committed_identity, found, uncalibrated_ok=False):
+            keys = differing_keys(committed_identity, found, uncalibrated_ok=False)
+            if not (any_head_scores and all(key.endswith(".heads_file_read") for key in keys)):
+                raise ConfigError(
+                    [
+                        f"{job}: the head files here are not the committed ones: {calibrated} (--any-head-scores)"
+                    ]
+                )
+            print(f"[verify] head files differ ({calibrated}); the heads they list here: "
+                  f"{heads_listed(model, found, keys)}", file=sys.stderr)  # fmt: skip
         evaluator = Evaluator.of_job(config, model, tokenizer)
         if config.warmup:
             evaluator.warm_up()
@@ -163,7 +195,12 @@ def differences(committed: list[dict], rerun: list[dict]) -> list[str]:
 
 
 def verify(
-    compact: Path, sample_ids: set[str] | None, first: int | None, overrides: list[str], jobs: set[str] | None
+    compact: Path,
+    sample_ids: set[str] | None,
+    first: int | None,
+    overrides: list[str],
+    jobs: set[str] | None,
+    any_head_scores: bool = False,
 ) -> tuple[int, list[str]]:
     """(records rerun, lines of the records that differ) for the chosen jobs and samples of `compact`;
     every job's config is checked before any model loads (ConfigError, CompactError)."""
@@ -177,13 +214,13 @@ def verify(
         raise ConfigError([f"{compact}: no job named {', '.join(sorted(jobs or []))}"])
     with tempfile.TemporaryDirectory() as results_dir:
         configs = {
-            job: job_config(job, identity or {}, overrides, Path(results_dir))
+            job: job_config(job, identity or {}, overrides, Path(results_dir), any_head_scores)
             for job, identity in identities.items()
         }
         rerun = [
             record
             for job, config in configs.items()
-            for record in rerun_job(config, job, identities[job] or {}, sample_ids, first)
+            for record in rerun_job(config, job, identities[job] or {}, sample_ids, first, any_head_scores)
         ]
     return len(rerun), differences(committed, rerun)
 
@@ -202,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--override", action="append", default=[], help="a scripts/run.py override the job was made with"
     )
+    parser.add_argument(
+        "--any-head-scores",
+        action="store_true",
+        help="accept a head file calibrated here that hashes otherwise (scores differ by CPU); prints its heads",
+    )
     args = parser.parse_args(argv)
     from eval.compact_store import CompactError
 
@@ -211,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     sample_ids = set(args.samples.split(",")) if args.samples else None
     try:
         n_rerun, lines = verify(
-            args.compact, sample_ids, args.first, args.override, set(args.job or []) or None
+            args.compact,
+            sample_ids,
+            args.first,
+            args.override,
+            set(args.job or []) or None,
+            args.any_head_scores,
         )
     except (ConfigError, CompactError, OSError) as error:
         for line in getattr(error, "lines", None) or [str(error)]:

@@ -83,3 +83,15 @@ def test_a_head_file_with_another_hash_is_named_with_both_hashes():
     other = {HEADS_KEY: CALIBRATED.replace("bdd0e8e0a40a", "0123456789ab")}
     said = identity_differences({HEADS_KEY: CALIBRATED}, other, uncalibrated_ok=True)
     assert "bdd0e8e0a40a" in said and "0123456789ab" in said
+
+
+def test_a_head_file_hashed_otherwise_is_refused_unless_any_head_scores_is_asked(no_model_loading):
+    header, _ = read_compact(COMPACT)
+    [(job, identity)] = header["identities"].items()
+    key = "methods.centroidkv.heads_file_read"
+    other_cpu = {**identity, key: identity[key][:-12] + "0123456789ab"}
+    with tempfile.TemporaryDirectory() as results_dir:
+        with pytest.raises(ConfigError) as refused:
+            job_config(job, other_cpu, [], Path(results_dir))
+        assert "0123456789ab" in refused.value.lines[0]
+        assert job_config(job, other_cpu, [], Path(results_dir), any_head_scores=True).identity() == identity
