@@ -12,7 +12,7 @@ it would from a fresh prefill; its record says `prefill_stored: true`, and its `
 What keys a file (`StoreKey`): the model (its name, its configuration and a hash of every parameter
 and buffer), its dtype, the device kind (and a GPU's name), the prompt's token ids, whether a recorded
 need changes the attention's arithmetic (`Recorder.uses_received`: the attention each entry receives
-is computed by another kernel), the torch and transformers versions and FORMAT_VERSION. The other
+is computed by another kernel, named by `centroidkv.attention.RECEIVED_KERNEL`), the torch and transformers versions and FORMAT_VERSION. The other
 needs are in the file's name: a file that records more (another entry record, a longer query window)
 serves a prompt that asks for less, what was not asked for dropped on reading, as a prefill that never
 recorded it would hold it. `max_new_tokens` changes no tensor of a prefill: the cache read back takes
@@ -45,7 +45,7 @@ import transformers
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from centroidkv.attention import bind_model
+from centroidkv.attention import RECEIVED_KERNEL, bind_model
 from centroidkv.cache.cache import CompressedCache, CompressedLayer
 from centroidkv.errors import first_line
 from centroidkv.files import replaced_atomically
@@ -163,7 +163,7 @@ class PrefillStore:
     def key(self, model: nn.Module, input_ids: Tensor, needs: Iterable[Need]) -> StoreKey:
         """The key of the prefill of `input_ids` ([1, n]) recording `needs` on `model`."""
         recorded = gather_needs(needs)
-        received = any(RECORDERS[name].uses_received for name in recorded)
+        received = RECEIVED_KERNEL if any(RECORDERS[name].uses_received for name in recorded) else None
         tokens = hashlib.sha256(input_ids.detach().cpu().to(torch.int64).numpy().tobytes()).hexdigest()
         shape = list(input_ids.shape)
         digest = hashlib.sha256(f"{self.model_digest(model)}|{tokens}|{shape}|{received}".encode())
