@@ -225,8 +225,8 @@ def prefill_with_received(
 ) -> tuple[Tensor, Tensor]:
     """A prefill's causal attention (queries = keys, all degrees 1) and the attention each key receives,
     on a CPU: query [B, Hq, L, D], keys/values [B, Hkv, L, D] -> (output [B, L, Hq, D], received
-    [B, Hkv, L] float32), as `attention_with_received` computes them, at about 1.7 times the cost of
-    the attention alone instead of five times.
+    [B, Hkv, L] float32), as `attention_with_received` computes them, at about 1.5 times the cost of
+    the attention alone instead of five times (docs/speed.md).
 
     The output is SDPA's causal kernel (the plain prefill's, bit for bit), which also returns each
     query row's log-sum-exp (lse); `received_attention` then needs only the logits once more.
