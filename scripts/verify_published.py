@@ -55,27 +55,26 @@ def job_config(
     found = config.identity()
     if any_head_scores:  # the head files are compared once the rerun has calibrated them
         found = {k: identity.get(k) if k.endswith(".heads_file_read") else v for k, v in found.items()}
-    differing = identity_differences(identity, found, uncalibrated_ok=True)
-    if differing:
+    if keys := differing_keys(identity, found, uncalibrated_ok=True):
+        differing = identity_differences(identity, found, keys)
         raise ConfigError(
             [f"{job}: {' '.join(argv)} is not the committed job: {differing}; add its overrides (--override)"]
         )
     return config
 
 
-def identity_differences(committed: dict[str, Any], found: dict[str, Any], uncalibrated_ok: bool) -> str:
-    """The keys where `found` differs from the `committed` identity, each with both values ("" when
-    none). With `uncalibrated_ok`, a head file this machine has not calibrated yet is no difference:
-    the rerun calibrates it after the model loads and checks its hash then."""
-    differing = differing_keys(committed, found, uncalibrated_ok)
+def identity_differences(committed: dict[str, Any], found: dict[str, Any], keys: list[str]) -> str:
+    """The differing `keys` (`differing_keys`), each with its committed and found value ("" when none)."""
     shown = ", ".join(
-        f"{key} ({shorten(committed.get(key))} committed, {shorten(found.get(key))} now)"
-        for key in differing[:3]
+        f"{key} ({shorten(committed.get(key))} committed, {shorten(found.get(key))} now)" for key in keys[:3]
     )
-    return shown + (f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def differing_keys(committed: dict[str, Any], found: dict[str, Any], uncalibrated_ok: bool) -> list[str]:
+    """The keys where `found` differs from the `committed` identity. With `uncalibrated_ok`, a head file
+    this machine has not calibrated yet is no difference: the rerun calibrates it after the model loads
+    and checks its hash then."""
     return sorted(
         key
         for key in {*committed, *found}
@@ -142,8 +141,8 @@ def rerun_job(
     try:
         model, tokenizer, samples = load_for(config)  # calibrates the head files this machine lacks
         found = config.identity()
-        if calibrated := identity_differences(committed_identity, found, uncalibrated_ok=False):
-            keys = differing_keys(committed_identity, found, uncalibrated_ok=False)
+        if keys := differing_keys(committed_identity, found, uncalibrated_ok=False):
+            calibrated = identity_differences(committed_identity, found, keys)
             if not (any_head_scores and all(key.endswith(".heads_file_read") for key in keys)):
                 raise ConfigError(
                     [
