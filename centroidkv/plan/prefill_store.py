@@ -15,8 +15,8 @@ need changes the attention's arithmetic (`Recorder.uses_received`: the attention
 is computed by another kernel, named by `centroidkv.attention.RECEIVED_KERNEL`), the torch and
 transformers versions and FORMAT_VERSION. The other needs are in the file's name: a file that records
 more (another entry record, a longer query window) serves a prompt that asks for less, what was not
-asked for dropped on reading, as a prefill that never recorded it would hold it. `max_new_tokens` changes no tensor of a prefill: the cache read back takes
-the caller's.
+asked for dropped on reading, as a prefill that never recorded it would hold it. `max_new_tokens`
+changes no tensor of a prefill: the cache read back takes the caller's.
 
 Files are written atomically (`centroidkv.files.replaced_atomically`), so a killed job leaves none
 half written; a file that cannot be read or does not match its key is computed again after a one-line
