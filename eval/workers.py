@@ -6,13 +6,17 @@ only the timings differ, measured where they ran). The parent's own model (loade
 go before they start, and it never warms up. The workers send their records back; the parent
 keeps every one of them (`keep`: the one writer of records.jsonl, W&B and the progress bar). A worker
 that fails stops the job with its error in one line; the records kept so far stay, and a rerun
-resumes from them.
+resumes from them. A worker whose parent is gone (killed, even with SIGKILL) exits at once: no one
+would keep its records, and it would hold a model's memory and a core for the rest of its share.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
+import os
 import queue as queues
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -75,8 +79,23 @@ def load_model_for(cfg: RunConfig) -> tuple[Any, Any]:
     return model, tokenizer if tokenizer is not None else load_tokenizer(EMBEDDED_MODEL)
 
 
+def exit_with_parent() -> None:
+    """End this process as soon as the process that started it ends (a watcher thread on the parent's
+    sentinel; `daemon=True` covers only a parent that exits normally)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _work(cfg: RunConfig, share: list[tuple[dict[str, Any], list[MethodSpec]]], messages: Any) -> None:
     """One worker: its own model, one torch thread, its share of the samples."""
+    exit_with_parent()
     try:
         import torch
 
