@@ -98,6 +98,9 @@ def header_problem(header: Any) -> str | None:
     for job, identity in identities.items():
         if identity is not None and not isinstance(identity, dict):
             return f"identities[{job!r:.60}] must be an object or null, got {identity!r:.60}"
+    cpus = header.get("cpus", [])
+    if not isinstance(cpus, list) or not all(isinstance(cpu, str) for cpu in cpus):
+        return f"cpus must be a list of CPU names, got {cpus!r:.60}"
     found = out_of_range(identities)
     return f"identities.{found} is not a finite number in range" if found else None
 

@@ -33,6 +33,9 @@ from eval.records import (
     scan_records,
 )
 
+# What a resumed job's env.json keeps of its earlier runs: each value it ran under besides this run's.
+EARLIER_ENV = {"git_commit": "earlier_git_commits", "cpu": "earlier_cpus"}
+
 
 class JobStore:
     """One job's folder."""
@@ -204,20 +207,25 @@ class JobStore:
 
     # --- files --------------------------------------------------------------------------------
     def prepare(self, config_yaml: str, env: dict[str, Any]) -> None:
-        """Write the job's config and environment; a resumed job's env.json keeps the commits its
-        earlier runs were on (`earlier_git_commits`), whose records are still in the file."""
+        """Write the job's config and environment; a resumed job's env.json keeps the commits and the
+        CPUs its earlier runs were on (`earlier_git_commits`, `earlier_cpus`), whose records are still
+        in the file."""
         atomic_write(self.dir / CONFIG, config_yaml)
-        env = {**env, "earlier_git_commits": self._earlier_commits(env.get("git_commit"))}
+        before = self._earlier_env()
+        for key, earlier in EARLIER_ENV.items():
+            kept = [*before.get(earlier, []), before.get(key)]
+            env = {
+                **env,
+                earlier: [value for value in dict.fromkeys(kept) if value and value != env.get(key)],
+            }
         atomic_write(self.dir / "env.json", json.dumps(env, indent=2, default=str) + "\n")
 
-    def _earlier_commits(self, commit: str | None) -> list[str]:
-        """The commits of this job's earlier runs other than `commit`, when it has records."""
+    def _earlier_env(self) -> dict[str, Any]:
+        """The env.json of this job's earlier runs, when it has records."""
         try:
-            before = json.loads((self.dir / "env.json").read_text()) if self.records_path.exists() else {}
+            return json.loads((self.dir / "env.json").read_text()) if self.records_path.exists() else {}
         except (OSError, ValueError):
-            before = {}
-        earlier = [*before.get("earlier_git_commits", []), before.get("git_commit")]
-        return [c for c in dict.fromkeys(earlier) if c and c != commit]
+            return {}
 
     def load(self) -> list[dict[str, Any]]:
         """Existing records, cleaned on disk when a previous run was killed mid-write; complete lines

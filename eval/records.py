@@ -291,8 +291,27 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name (Linux's /proc/cpuinfo, else what the platform says) and the vector
+    instructions torch's CPU kernels use on it, e.g. "Intel(R) Xeon(R) Processor @ 2.80GHz (AVX512)": greedy
+    answers can differ in their last bits between two CPUs, so a record's CPU is part of its provenance."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    except OSError:
+        name = None
+    name = name or platform.processor() or None
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # provenance must never stop a run
+        capability = None
+    return f"{name} ({capability})" if name and capability else name
+
+
 def environment(device: str) -> dict[str, Any]:
-    """Git commit, library versions and the device, for env.json."""
+    """Git commit, library versions, the device and the CPU, for env.json."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str | None:
@@ -316,6 +335,7 @@ def environment(device: str) -> dict[str, Any]:
         "versions": versions,
         "device": device,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_name(),
     }
     try:
         import torch

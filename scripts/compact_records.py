@@ -9,7 +9,7 @@ so that a reader can regenerate every table without rerunning anything.
          figures of `scripts/figures.py` beside them (results/<experiment>/figures/)
 
 The file's first line is {"compact": 1, "commit", "command", "identities": {experiment/job: the
-job's saved identity}}; each further line is one record with only COMPACT_FIELDS. `tables` expands
+job's saved identity}, "cpus": the CPUs the jobs ran on (absent in files exported before env.json named them)}; each further line is one record with only COMPACT_FIELDS. `tables` expands
 it into job folders in a temporary directory and runs the same `write_tables` as `scripts/tables.py`.
 """
 
@@ -32,7 +32,7 @@ import yaml  # noqa: E402
 
 from centroidkv.plan.measurements import table_measurements  # noqa: E402
 from eval.compact_store import FORMAT_VERSION, SUFFIX, read_compact  # noqa: E402
-from eval.job_store import iter_records  # noqa: E402
+from eval.job_store import EARLIER_ENV, iter_records  # noqa: E402
 from eval.records import CONFIG, KEY_FIELDS, RECORDS  # noqa: E402
 
 # What tables and figures read besides the record key and the table measurements.
@@ -53,16 +53,23 @@ def _commit() -> str | None:
     return found.stdout.strip() if found.returncode == 0 else None
 
 
-def _run_commit(paths: list[Path]) -> str | None:
-    """The commit the jobs under `paths` ran on (their env.json, with the commits of earlier runs of
-    a resumed job), else this checkout's: records exported later, from another checkout, still name
-    the code that made them."""
+def _env_values(paths: list[Path], key: str) -> set[str]:
+    """The values of `key` in the env.json of the jobs under `paths`, their earlier runs' included
+    (`eval.job_store.EARLIER_ENV`)."""
     found = set()
     for path in paths:
         for env_file in sorted(path.rglob("env.json")) if path.is_dir() else []:
             env = json.loads(env_file.read_text())
-            found.update([env.get("git_commit"), *env.get("earlier_git_commits", [])])
+            found.update([env.get(key), *env.get(EARLIER_ENV[key], [])])
     found.discard(None)
+    return found
+
+
+def _run_commit(paths: list[Path]) -> str | None:
+    """The commit the jobs under `paths` ran on (their env.json, with the commits of earlier runs of
+    a resumed job), else this checkout's: records exported later, from another checkout, still name
+    the code that made them."""
+    found = _env_values(paths, "git_commit")
     if len(found) > 1:
         raise ValueError(
             f"the jobs ran on {len(found)} commits ({', '.join(sorted(found))}): export them apart, or name"
@@ -87,6 +94,9 @@ def export(paths: list[Path], out: Path, command: str, commit: str | None = None
         "command": command,
         "identities": identities,
     }
+    cpus = sorted(_env_values(paths, "cpu"))
+    if cpus:  # jobs run before env.json named the CPU name none
+        header["cpus"] = cpus
     buffer = io.BytesIO()
     with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as handle:  # mtime 0: the same bytes again
         handle.write(("\n".join([json.dumps(header, sort_keys=True), *lines]) + "\n").encode())

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from centroidkv.calibrate import NOT_CALIBRATED  # noqa: E402
 from eval.compact_store import read_compact  # noqa: E402
-from eval.records import record_key  # noqa: E402
+from eval.records import cpu_name, record_key  # noqa: E402
 from eval.run_config import ConfigError, RunConfig  # noqa: E402
 from scripts.compact_records import COMPACT_FIELDS  # noqa: E402
 
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in lines:
         print(line)
+    committed_on = ", ".join(read_compact(args.compact)[0].get("cpus", [])) or "a CPU the file does not name"
+    print(f"[verify] committed on {committed_on}; rerun on {cpu_name()}")
     print(
         f"[verify] {n_rerun} records rerun: "
         + (f"{len(lines)} differ" if lines else "all equal to the committed ones")

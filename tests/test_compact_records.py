@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eval.compact_store import read_compact
 from scripts import compact_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +69,25 @@ def test_export_names_the_commit_the_jobs_ran_on_not_the_exporting_checkout(tmp_
     assert compact_records.export([tmp_path / "jobs"], out, "make something", commit="c" * 40) > 0
     with gzip.open(out, "rt") as handle:
         assert json.loads(handle.readline())["commit"] == "c" * 40
+
+
+def test_the_compact_file_names_every_cpu_its_records_ran_on(tmp_path):
+    """Greedy answers can differ in their last bits between CPUs (docs/results.md): env.json names the
+    CPU, a resumed job keeps its earlier runs' CPUs, and the compact file lists them all."""
+    from eval.job_store import JobStore
+    from eval.records import cpu_name
+
+    assert cpu_name()  # this machine's, e.g. "Intel(R) Xeon(R) Processor @ 2.80GHz (AVX512)"
+    jobs = compact_records.expand(COMPACT, tmp_path / "jobs")
+    store = JobStore(jobs[0])
+    for cpu in ("AMD EPYC (AVX2)", "Intel Xeon (AVX512)", "Intel Xeon (AVX512)"):
+        store.prepare("config", {"git_commit": "a" * 40, "cpu": cpu})
+    env = json.loads((jobs[0] / "env.json").read_text())
+    assert env["cpu"] == "Intel Xeon (AVX512)" and env["earlier_cpus"] == ["AMD EPYC (AVX2)"]
+    out = tmp_path / "out.jsonl.gz"
+    compact_records.export([tmp_path / "jobs"], out, "make something")
+    header, _ = read_compact(out)
+    assert header["cpus"] == ["AMD EPYC (AVX2)", "Intel Xeon (AVX512)"]
 
 
 def test_a_job_resumed_on_another_commit_keeps_the_earlier_one(tmp_path):

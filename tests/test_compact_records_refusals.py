@@ -97,6 +97,14 @@ def test_identities_that_are_not_an_object_are_refused_in_one_line(tmp_path, cap
     assert f"{compact} line 1: identities must be an object" in refused(capsys, compact)
 
 
+def test_cpus_that_are_not_a_list_of_names_are_refused_in_one_line(tmp_path, capsys):
+    header, records = tiny_lines()
+    compact = write_compact(
+        tmp_path / "copy.jsonl.gz", {**header, "cpus": "AVX2"}, [json.dumps(r) for r in records]
+    )
+    assert f"{compact} line 1: cpus must be a list of CPU names" in refused(capsys, compact)
+
+
 def test_a_bad_file_among_several_stops_before_any_is_written(tmp_path, capsys):
     good = tmp_path / "good.jsonl.gz"
     good.write_bytes(TINY.read_bytes())
