@@ -140,14 +140,9 @@ def tables_from_compact(compact: Path, out: Path, figures: bool = True) -> list[
         df = load_or_error([Path(temporary)])
         if isinstance(df, str):
             raise ValueError(df)
-        written = write_tables(df, out)
-        from scripts.reports.table_files import write_text
-        from scripts.wrong_answers import counts_text, wrong_answer_counts
+        from scripts.wrong_answers import write_counts
 
-        counts = wrong_answer_counts(df)
-        if not counts.empty:  # the confusion counts of a multikey study
-            written.append(out / "wrong_answers.md")
-            write_text(written[-1], counts_text(counts))
+        written = write_tables(df, out) + write_counts(df, out)  # the confusion counts of multikey tasks
         if figures:
             from scripts.reports.figures import make_figures
 

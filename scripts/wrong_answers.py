@@ -4,7 +4,7 @@ prompt, or none (`eval.benchmarks.ruler.confusion`), counted per method, length 
     python scripts/wrong_answers.py results/long [--out DIR]
 
 Reads the records' `wrong_answer` field (written by the RULER benchmark on its multikey tasks) and
-writes `<results>/tables/wrong_answers.md`: one row per method label, context length and budget, with
+writes `<results>/tables/wrong_answers.md` (and `.tex`): one row per method label, context length and budget, with
 the samples, the wrong answers and each kind. A merging method that blends the keys of similar
 needles shows it as distractors.
 """
@@ -20,8 +20,9 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eval.benchmarks.ruler.confusion import KINDS, confusable  # noqa: E402
-from scripts.reports.table_files import OutputError, output_folder, write_text  # noqa: E402
-from scripts.reports.table_text import to_markdown  # noqa: E402
+from scripts.reports.captions import records_words  # noqa: E402
+from scripts.reports.table_files import OutputError, output_folder, output_path, write_text  # noqa: E402
+from scripts.reports.table_text import markdown_block, to_latex  # noqa: E402
 from scripts.reports.tables import load_or_error  # noqa: E402
 
 COLUMNS = ("samples", "wrong", *KINDS)
@@ -42,22 +43,33 @@ def wrong_answer_counts(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values(["length", "budget"], kind="stable", ignore_index=True)
 
 
-def markdown(counts: pd.DataFrame) -> str:
-    """The counts as a Markdown table (record text escaped by `table_text.to_markdown`)."""
-    table = counts.assign(budget=counts["budget"].map("{:g}".format)).set_index("label")
-    table.index.name = "method"
-    return to_markdown(table, digits=0, bold_best=False)
-
-
 CAPTION = (
     "Wrong answers on the multikey tasks: another needle's value (distractor), a value absent "
-    "from the prompt's needles, or no value; per method, context length and budget."
+    "from the prompt's needles, or no value; per method, context length and budget"
 )
 
 
-def counts_text(counts: pd.DataFrame) -> str:
-    """The file `wrong_answers.md` holds: its caption and the counts' table."""
-    return f"{CAPTION}\n\n{markdown(counts)}\n"
+def caption(df: pd.DataFrame) -> str:
+    """CAPTION with the model, the context lengths, the samples behind each row and the head policies
+    (`scripts.reports.captions`), as every table of `make published` names them."""
+    scored = df[df["ok"] & df["task"].map(confusable)]
+    models = ", ".join(sorted(scored["model"].dropna().unique()))
+    lengths = ", ".join(str(int(n)) for n in sorted(scored["length"].dropna().unique()))
+    return f"{CAPTION}; {models}, context {lengths} tokens{records_words(scored)}"
+
+
+def write_counts(df: pd.DataFrame, folder: Path) -> list[Path]:
+    """wrong_answers.md and .tex in `folder` (none when no multikey record has a wrong_answer field)."""
+    counts = wrong_answer_counts(df)
+    if counts.empty:
+        return []
+    table = counts.assign(budget=counts["budget"].map("{:g}".format)).set_index("label")
+    table.index.name = "method"
+    text = caption(df)
+    written = [output_path(folder, "wrong_answers.md"), output_path(folder, "wrong_answers.tex")]
+    write_text(written[0], markdown_block(text, table, digits=0, bold_best=False))
+    write_text(written[1], to_latex(table, text, digits=0, bold_best=False) + "\n")
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(df, str):
         print(df, file=sys.stderr)
         return 2
-    counts = wrong_answer_counts(df)
-    if counts.empty:
-        print(f"error: no multikey records with a wrong_answer field under {args.results}", file=sys.stderr)
-        return 2
-    text = counts_text(counts)
     try:
-        write_text(output_folder(args.out or args.results / "tables") / "wrong_answers.md", text)
+        written = write_counts(df, output_folder(args.out or args.results / "tables"))
     except OutputError as error:
         print(error, file=sys.stderr)
         return 2
-    print(text)
+    if not written:
+        print(f"error: no multikey records with a wrong_answer field under {args.results}", file=sys.stderr)
+        return 2
+    print(written[0].read_text())
     return 0
 
 

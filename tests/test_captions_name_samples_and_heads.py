@@ -16,18 +16,22 @@ HEADS = ROOT / "results" / "heads.jsonl.gz"  # the head-policy factorial: every 
 
 
 def test_every_generated_table_caption_names_model_length_samples_and_head_policy(tmp_path):
-    for compact in (HEADS, ROOT / "results" / "tiny_example.jsonl.gz"):
+    """The wrong-answer counts of multikey tasks too (the heads factorial and the 8k study have them)."""
+    for compact, model in ((HEADS, "smollm2-135m"), (ROOT / "results" / "tiny_example.jsonl.gz", "tiny-llama"),
+                           (ROOT / "results" / "long_study_8k.jsonl.gz", "qwen2.5-0.5b")):  # fmt: skip
         out = tmp_path / compact.name
         assert main(["tables", str(compact), "--out", str(out), "--no-figures"]) == 0
         tables = sorted(out.glob("*.md"))
         assert tables
+        if model != "tiny-llama":  # multikey tasks: their wrong-answer counts are a table too
+            assert out / "wrong_answers.md" in tables
         for table in tables:
             caption = table.read_text().splitlines()[0]
             latex = re.search(r"\\caption\{(.*)\}", table.with_suffix(".tex").read_text()).group(1)
             for text in (caption, latex):
                 assert re.search(r"\d+ samples? per (task )?cell", text), (table.name, text)
                 assert "head policy: " in text and "context " in text, (table.name, text)
-                assert ("smollm2-135m" if compact == HEADS else "tiny-llama") in text, (table.name, text)
+                assert model in text, (table.name, text)
 
 
 def test_the_head_policy_words_name_each_policy_with_its_methods(tmp_path):
