@@ -132,6 +132,7 @@ def rerun_job(
     calibrated here may hash otherwise than the committed one (its scores' last digits change from one
     CPU to another); the heads it lists are printed and the records decide."""
     import torch
+    from tqdm.auto import tqdm
 
     from eval.evaluate import Evaluator
     from eval.runner import load_for, name_record, pending_work
@@ -157,7 +158,8 @@ def rerun_job(
         named = replace(config, job=job.split("/")[1])  # the committed job's name, whatever the overrides
         method_fields = config.method_fields()
         records = []
-        for sample, pending in chosen(pending_work(config, evaluator, samples, set()), sample_ids, first):
+        work = chosen(pending_work(config, evaluator, samples, set()), sample_ids, first)
+        for sample, pending in tqdm(work, desc=f"verify {job}", unit="sample"):
             for record in evaluator.iter_sample(
                 sample, pending, config.benchmark.max_new_tokens, config.benchmark.ignore_eos
             ):
