@@ -33,6 +33,7 @@ PUBLISHED = [
     ("docs/results.md", "### The factorial on test (`make heads`)", "results/heads.jsonl.gz"),
     ("docs/results.md", "### The factorial on dev (`make ablate`)", "results/ablate_heads.jsonl.gz"),
     ("docs/results.md", "### 1/16 of the bytes (`make heads`", "results/heads_low.jsonl.gz", 0.0625),
+    ("docs/results.md", "In parentheses, the two whole-head variants", "results/heads_low_whole.jsonl.gz", 0.0625),
     ("docs/results.md", "## The kvpress zoo with head policies", "results/kvpress_zoo.jsonl.gz"),
     ("docs/results.md", "## CentroidKV's own ablation on dev", "results/ablate_centroidkv.jsonl.gz"),
     ("docs/results.md", "RULER, the 5 reproduce tasks. Score", "results/precision.jsonl.gz"),
