@@ -211,13 +211,10 @@ class JobStore:
         CPUs its earlier runs were on (`earlier_git_commits`, `earlier_cpus`), whose records are still
         in the file."""
         atomic_write(self.dir / CONFIG, config_yaml)
-        before = self._earlier_env()
+        before, env = self._earlier_env(), dict(env)
         for key, earlier in EARLIER_ENV.items():
             kept = [*before.get(earlier, []), before.get(key)]
-            env = {
-                **env,
-                earlier: [value for value in dict.fromkeys(kept) if value and value != env.get(key)],
-            }
+            env[earlier] = [value for value in dict.fromkeys(kept) if value and value != env.get(key)]
         atomic_write(self.dir / "env.json", json.dumps(env, indent=2, default=str) + "\n")
 
     def _earlier_env(self) -> dict[str, Any]:

@@ -9,8 +9,9 @@ so that a reader can regenerate every table without rerunning anything.
          figures of `scripts/figures.py` beside them (results/<experiment>/figures/)
 
 The file's first line is {"compact": 1, "commit", "command", "identities": {experiment/job: the
-job's saved identity}, "cpus": the CPUs the jobs ran on (absent in files exported before env.json named them)}; each further line is one record with only COMPACT_FIELDS. `tables` expands
-it into job folders in a temporary directory and runs the same `write_tables` as `scripts/tables.py`.
+job's saved identity}, "cpus": the CPUs the jobs ran on (absent in files exported before env.json
+named them)}; each further line is one record with only COMPACT_FIELDS. `tables` expands it into job
+folders in a temporary directory and runs the same `write_tables` as `scripts/tables.py`.
 """
 
 from __future__ import annotations

@@ -202,9 +202,10 @@ def verify(
     overrides: list[str],
     jobs: set[str] | None,
     any_head_scores: bool = False,
-) -> tuple[int, list[str]]:
-    """(records rerun, lines of the records that differ) for the chosen jobs and samples of `compact`;
-    every job's config is checked before any model loads (ConfigError, CompactError)."""
+) -> tuple[int, list[str], list[str]]:
+    """(records rerun, lines of the records that differ, the CPUs the file names) for the chosen jobs
+    and samples of `compact`; every job's config is checked before any model loads (ConfigError,
+    CompactError)."""
     header, committed = read_compact(compact)
     identities = {
         job: identity
@@ -223,7 +224,7 @@ def verify(
             for job, config in configs.items()
             for record in rerun_job(config, job, identities[job] or {}, sample_ids, first, any_head_scores)
         ]
-    return len(rerun), differences(committed, rerun)
+    return len(rerun), differences(committed, rerun), header.get("cpus", [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sample_ids = set(args.samples.split(",")) if args.samples else None
     try:
-        n_rerun, lines = verify(
+        n_rerun, lines, committed_cpus = verify(
             args.compact,
             sample_ids,
             args.first,
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in lines:
         print(line)
-    committed_on = ", ".join(read_compact(args.compact)[0].get("cpus", [])) or "a CPU the file does not name"
+    committed_on = ", ".join(committed_cpus) or "a CPU the file does not name"
     print(f"[verify] committed on {committed_on}; rerun on {cpu_name()}")
     print(
         f"[verify] {n_rerun} records rerun: "

@@ -4,8 +4,8 @@ prompt, or none (`eval.benchmarks.ruler.confusion`), counted per method, length 
     python scripts/wrong_answers.py results/long [--out DIR]
 
 Reads the records' `wrong_answer` field (written by the RULER benchmark on its multikey tasks) and
-writes `<results>/tables/wrong_answers.md` (and `.tex`): one row per method label, context length and budget, with
-the samples, the wrong answers and each kind. A merging method that blends the keys of similar
+writes `<results>/tables/wrong_answers.md` (and `.tex`): one row per method label, context length and
+budget, with the samples, the wrong answers and each kind. A merging method that blends the keys of similar
 needles shows it as distractors.
 """
 
@@ -23,9 +23,14 @@ from eval.benchmarks.ruler.confusion import KINDS, confusable  # noqa: E402
 from scripts.reports.captions import records_words  # noqa: E402
 from scripts.reports.table_files import OutputError, output_folder, output_path, write_text  # noqa: E402
 from scripts.reports.table_text import markdown_block, to_latex  # noqa: E402
-from scripts.reports.tables import load_or_error  # noqa: E402
+from scripts.reports.tables import context_lengths, load_or_error  # noqa: E402
 
 COLUMNS = ("samples", "wrong", *KINDS)
+
+
+def multikey_scored(df: pd.DataFrame) -> pd.DataFrame:
+    """The scored records of the multikey tasks, those whose wrong answers have a kind."""
+    return df[df["ok"] & df["task"].map(confusable)]
 
 
 def wrong_answer_counts(df: pd.DataFrame) -> pd.DataFrame:
@@ -33,7 +38,7 @@ def wrong_answer_counts(df: pd.DataFrame) -> pd.DataFrame:
     wrong answers and the count of each kind."""
     if "wrong_answer" not in df:
         return pd.DataFrame(columns=["label", "length", "budget", *COLUMNS])
-    scored = df[df["ok"] & df["task"].map(confusable)]
+    scored = multikey_scored(df)
     rows = []
     for (label, length, budget), group in scored.groupby(["label", "length", "budget"], sort=False):
         kinds = group["wrong_answer"].dropna()
@@ -52,10 +57,9 @@ CAPTION = (
 def caption(df: pd.DataFrame) -> str:
     """CAPTION with the model, the context lengths, the samples behind each row and the head policies
     (`scripts.reports.captions`), as every table of `make published` names them."""
-    scored = df[df["ok"] & df["task"].map(confusable)]
+    scored = multikey_scored(df)
     models = ", ".join(sorted(scored["model"].dropna().unique()))
-    lengths = ", ".join(str(int(n)) for n in sorted(scored["length"].dropna().unique()))
-    return f"{CAPTION}; {models}, context {lengths} tokens{records_words(scored)}"
+    return f"{CAPTION}; {models}, context {context_lengths(scored)} tokens{records_words(scored)}"
 
 
 def write_counts(df: pd.DataFrame, folder: Path) -> list[Path]:

@@ -394,7 +394,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
         report = benchmark_report(bench)
         names, title = report.task_labels, report.title
         models = ", ".join(sorted(part["model"].dropna().unique()))
-        lengths = _lengths(part)
+        lengths = context_lengths(part)
         budgets = sorted(b for b in part.loc[part["method"] != "full", "budget"].unique())
         averages = {}
         for budget in budgets or [1.0]:
@@ -429,7 +429,7 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     measured = measurements_table(df)
     if measured is not None:
         models = ", ".join(sorted(df["model"].dropna().unique()))
-        caption = f"Mean of each measurement per record, {models}, context {_lengths(df)} tokens"
+        caption = f"Mean of each measurement per record, {models}, context {context_lengths(df)} tokens"
         caption += records_words(df) + load_note(df.to_dict("records"))
         tables["measurements"] = (caption, measured, 2)
     timed = df[df["tpot"].notna()] if "tpot" in df else df.iloc[0:0]
@@ -445,7 +445,8 @@ def make_tables(df: pd.DataFrame) -> dict[str, tuple[str, pd.DataFrame, int]]:
     return tables
 
 
-def _lengths(part: pd.DataFrame) -> str:
+def context_lengths(part: pd.DataFrame) -> str:
+    """The context lengths of `part`, as a caption names them ("4096, 8192")."""
     return ", ".join(str(int(x)) for x in sorted(part["length"].dropna().unique()))
 
 
