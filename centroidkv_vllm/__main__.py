@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from centroidkv_vllm import require_vllm
 from centroidkv_vllm.config import CentroidConfig
 
 DEFAULT_MODEL = (
@@ -250,6 +251,7 @@ def main(argv: list[str]) -> tuple[dict, bool]:
     """The command's result, and whether it is printed as the JSON line (`serve` never returns)."""
     server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parse_args(argv[: len(argv) - len(server_args) - (1 if "--" in argv else 0)])
+    require_vllm("python -m centroidkv_vllm")
     plugin_settings(args)  # a bad setting: one line, before the engine starts
     if args.command == "serve":
         serve(args, server_args)

@@ -29,6 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from centroidkv_vllm import require_vllm  # noqa: E402
+
+require_vllm("bench_plugin_attention.py")  # before the imports below, which need vLLM
+
 from centroidkv_vllm.compiled import COMPILED_DTYPES, compiled, decode_attention  # noqa: E402
 from centroidkv_vllm.paged import DecodeBatch, kernel_attention  # noqa: E402
 

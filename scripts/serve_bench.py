@@ -46,6 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from centroidkv_vllm import require_vllm  # noqa: E402
 from centroidkv_vllm.__main__ import DEFAULT_MODEL  # noqa: E402
 
 BLOCK = 128
@@ -214,6 +215,7 @@ def row_plan(args: argparse.Namespace) -> list[tuple[float | None, bool, str]]:
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    require_vllm("serve_bench.py")
     started = time.time()
     rows = []
     for budget, own, heads in row_plan(args):
