@@ -68,11 +68,14 @@ def run_in_workers(
 
 def load_model_for(cfg: RunConfig) -> tuple[Any, Any]:
     """The job's model and tokenizer (tiny random models: the embedded tokenizer, ids folded into
-    their vocabulary)."""
+    their vocabulary). The process keeps the memory it frees from now on (`centroidkv.plan.heap`)."""
     import torch
 
     from centroidkv import load_model, load_tokenizer
     from centroidkv.models.model_names import EMBEDDED_MODEL
+    from centroidkv.plan.heap import keep_freed_memory
+
+    keep_freed_memory()
 
     device, dtype = cfg.model.resolved()
     model, tokenizer = load_model(cfg.model.name, dtype=getattr(torch, dtype), device=device)

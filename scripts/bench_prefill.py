@@ -10,6 +10,11 @@ prefills, so the ratio says how close the prefill runs to what this CPU can do. 
 of the process's CPU time (the wall time is printed beside it): on a machine shared with other jobs
 a thread waiting for a core does not count against either side.
 
+The process keeps the memory it frees, as a job's processes do (`centroidkv.plan.heap`: no page
+faults for a block reallocated), except for the heap's growth to each length's first peak, which
+each length's prefill pays as a job's first sample does; `--glibc-heap` leaves glibc's malloc as it
+is (the code before that change).
+
 `--needs METHOD ...` adds rows whose prefill records what those methods need (SnapKV's query window,
 H2O's received attention, CentroidKV's positions), as a job's shared prefill does.
 
@@ -43,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time prefills that record what these methods need")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--matmul-size", type=int, default=4096, help="n of the n x n float32 matmul")
+    parser.add_argument("--glibc-heap", action="store_true",
+                        help="leave malloc as glibc sets it (jobs keep their freed memory: centroidkv.plan.heap)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args(argv)
     try:  # everything is checked before a model loads
@@ -106,8 +113,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from centroidkv import load_model
     from centroidkv.methods import get_method
     from centroidkv.plan.decoding import needs_of
+    from centroidkv.plan.heap import keep_freed_memory
 
     torch.set_num_threads(args.threads)
+    if not args.glibc_heap:
+        keep_freed_memory()  # as a job's processes do (eval.workers.load_model_for)
     model = load_model(args.model)[0]
     time_prefill(model, 64, [])  # warm-up: the first forward's one-time costs
     matmul_before = matmul_gflops(args.matmul_size)
@@ -131,7 +141,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 def table(rows: list[dict], args: argparse.Namespace, load: dict) -> str:
     lines = [
         f"{args.model}, {args.threads} thread(s), float32 matmul {args.matmul_size}^2: "
-        f"{rows[0]['matmul_gflops']:.1f} GFLOP/s; load {load}",
+        f"{rows[0]['matmul_gflops']:.1f} GFLOP/s; heap: {'glibc' if args.glibc_heap else 'kept'}; load {load}",
         "",
         "| length | records | prefill CPU s (wall s) | TFLOP (linear + attention) | GFLOP/s | / matmul |",
         "|---|---|---|---|---|---|",
