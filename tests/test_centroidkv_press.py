@@ -40,6 +40,25 @@ def record_logits(model, into: list[torch.Tensor]):
 
 
 @torch.no_grad()
+def same_entries(index: int, layer, native: tuple, n: int, q: int, budget: int) -> int:
+    """Assert that the pipeline's cache layer holds native CentroidKV's entries (the compressed group
+    and the heads kept whole); returns how many native entries are merged (degree above 1)."""
+    keys, values, log_degree, whole = native
+    kept = keys.shape[2]
+    assert kept == budget + q, f"layer {index}: native keeps {kept}"
+    assert layer.keys.shape[2] < n, f"layer {index}: the pipeline's cache was not shrunk"
+    torch.testing.assert_close(layer.keys[:, :, :kept], keys, rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer.values[:, :, :kept], values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(layer.main.log_degree[:, :, :kept], log_degree, rtol=0, atol=1e-6)
+    if whole is not None:  # heads kept whole (the paper's outlier heads): every token
+        whole_keys, whole_values = whole
+        assert whole_keys.shape[2] == n + q
+        pipeline_whole = layer.group("whole")
+        torch.testing.assert_close(pipeline_whole.keys[:, :, : n + q], whole_keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(pipeline_whole.values[:, :, : n + q], whole_values, rtol=0, atol=1e-5)
+    return int((log_degree > 0).sum())
+
+
 def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedded):
     model, tokenizer = embedded
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer)
@@ -77,22 +96,10 @@ def test_kvpress_pipeline_with_the_press_keeps_native_entries_and_answer(embedde
     budget = int((1 - RATIO) * n)  # kvpress's int(n * (1 - compression_ratio))
     assert budget >= 81, "the context must hold CentroidKV's protected windows at this budget"
     assert len(cache.layers) == len(native_layers) == model.config.num_hidden_layers
-    merged = 0
-    for index, (layer, native) in enumerate(zip(cache.layers, native_layers, strict=True)):
-        keys, values, log_degree, whole = native
-        kept = keys.shape[2]
-        assert kept == budget + q, f"layer {index}: native keeps {kept}"
-        assert layer.keys.shape[2] < n, f"layer {index}: the pipeline's cache was not shrunk"
-        torch.testing.assert_close(layer.keys[:, :, :kept], keys, rtol=0, atol=1e-5)
-        torch.testing.assert_close(layer.values[:, :, :kept], values, rtol=0, atol=1e-5)
-        torch.testing.assert_close(layer.main.log_degree[:, :, :kept], log_degree, rtol=0, atol=1e-6)
-        if whole is not None:  # heads kept whole (the paper's outlier heads): every token
-            whole_keys, whole_values = whole
-            assert whole_keys.shape[2] == n + q
-            pipeline_whole = layer.group("whole")
-            torch.testing.assert_close(pipeline_whole.keys[:, :, : n + q], whole_keys, rtol=0, atol=1e-5)
-            torch.testing.assert_close(pipeline_whole.values[:, :, : n + q], whole_values, rtol=0, atol=1e-5)
-        merged += int((log_degree > 0).sum())
+    merged = sum(
+        same_entries(index, layer, native, n, q, budget)
+        for index, (layer, native) in enumerate(zip(cache.layers, native_layers, strict=True))
+    )
     assert merged > 0, "no entry was merged: the comparison would not exercise the degrees"
 
     # the same decoding: one logit vector per forward after the context (the question, each step)
