@@ -251,8 +251,8 @@ def main(argv: list[str]) -> tuple[dict, bool]:
     """The command's result, and whether it is printed as the JSON line (`serve` never returns)."""
     server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parse_args(argv[: len(argv) - len(server_args) - (1 if "--" in argv else 0)])
-    require_vllm("python -m centroidkv_vllm")
     plugin_settings(args)  # a bad setting: one line, before the engine starts
+    require_vllm("python -m centroidkv_vllm")
     if args.command == "serve":
         serve(args, server_args)
     as_json = args.command != "generate" or args.json

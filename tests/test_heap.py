@@ -1,5 +1,5 @@
-"""centroidkv.plan.heap: a process that keeps its freed memory touches a reallocated block without
-page faults; without it, glibc maps a large block afresh and every page faults again."""
+"""centroidkv.plan.heap: a process that keeps its freed memory touches a block allocated where a freed
+one was without page faults; without it, glibc maps a large block afresh and every page faults again."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ ALLOCATE_TWICE = """
 import resource, sys, torch
 from centroidkv.plan.heap import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else False
-block = torch.ones(64 * 2**20 // 4)  # 64 MiB, above glibc's largest mmap threshold
+block = torch.ones(96 * 2**20 // 4)  # above glibc's largest mmap threshold (32 MiB)
 del block
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-block = torch.ones(64 * 2**20 // 4)
+block = torch.ones(64 * 2**20 // 4)  # fits where the first one was (an aligned block of the same size may not)
 print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
