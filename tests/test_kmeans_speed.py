@@ -1,8 +1,9 @@
 """K-Means' incremental assignment gives bit for bit what scoring every centroid gave.
 
 `baselines.kmeans` scores only the centroids that moved after the first Lloyd iteration. The
-reference below is the implementation before that change, verbatim (its own BLOCK_ELEMENTS), and
-every kept entry must come out identical: keys, values, log-degrees, order and pooled records.
+reference below is the implementation before that change: its assignment and Lloyd loop verbatim
+(with its own BLOCK_ELEMENTS), the helpers the change left alone imported. Every kept entry must come
+out identical: keys, values, log-degrees, order and pooled records.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from baselines import kmeans
+from baselines.kmeans import cluster_sums, fill_empty_clusters, first_members, initial_seeds
 from centroidkv.methods import LayerKV
 from centroidkv.needs import pool_extras
 
@@ -21,20 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ------------------------------------------------------------ reference: before the incremental update
 
 BLOCK_ELEMENTS = 1 << 26
-
-
-def initial_seeds(batch: int, heads: int, length: int, k: int, init: str, seed: int, device) -> Tensor:
-    """[B, H, k] token indices of the initial centroids."""
-    if init == "uniform":
-        index = torch.linspace(0, length - 1, k, device=device).round().long()
-        return index.expand(batch, heads, k)
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        torch.rand(batch, heads, length, generator=generator)
-        .argsort(dim=-1)[..., :k]
-        .sort(-1)
-        .values.to(device)
-    )
 
 
 def assign(points: Tensor, centroids: Tensor, cosine: bool) -> tuple[Tensor, Tensor]:
@@ -52,41 +40,6 @@ def assign(points: Tensor, centroids: Tensor, cosine: bool) -> tuple[Tensor, Ten
         clusters.append(index)
         fitness.append(best if cosine else best - part.square().sum(-1))
     return torch.cat(clusters, dim=-1), torch.cat(fitness, dim=-1)
-
-
-def first_members(cluster: Tensor, k: int) -> Tensor:
-    """[B, H, k] earliest token of each cluster (`length` for an empty one)."""
-    length = cluster.shape[-1]
-    position = torch.arange(length, device=cluster.device).expand_as(cluster)
-    first = torch.full((*cluster.shape[:2], k), length, device=cluster.device, dtype=torch.long)
-    return first.scatter_reduce(2, cluster, position, reduce="amin")
-
-
-def fill_empty_clusters(cluster: Tensor, fitness: Tensor, k: int) -> Tensor:
-    """Give every empty cluster one of the worst-fitting tokens that is not a cluster's first member.
-
-    There are always enough donors: n - (non-empty clusters) >= number of empty clusters as n >= k.
-    """
-    length = cluster.shape[-1]
-    first = first_members(cluster, k)
-    empty = first == length  # [B, H, k]
-    if not bool(empty.any()):
-        return cluster
-    position = torch.arange(length, device=cluster.device)
-    is_first = first.gather(2, cluster) == position  # token i is the first member of its own cluster
-    donors = fitness.masked_fill(is_first, torch.inf).argsort(dim=-1, stable=True)[..., :k]  # worst first
-    empty_ids = empty.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # empty clusters first
-    n_empty = empty.sum(dim=-1, keepdim=True)
-    use = torch.arange(k, device=cluster.device) < n_empty  # [B, H, k]
-    new_cluster = torch.where(use, empty_ids, cluster.gather(2, donors))
-    return cluster.scatter(2, donors, new_cluster)
-
-
-def cluster_sums(x: Tensor, cluster: Tensor, weight: Tensor, k: int) -> Tensor:
-    """[B, H, k, D]: sum of weight * x over the members of each cluster (float32)."""
-    total = x.new_zeros((*x.shape[:2], k, x.shape[-1]), dtype=torch.float32)
-    index = cluster.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
-    return total.scatter_add_(2, index, x.float() * weight.unsqueeze(-1))
 
 
 def kmeans_compress(
