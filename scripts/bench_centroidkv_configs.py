@@ -22,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
+from centroidkv.cache.budget import check_budget  # noqa: E402
+from centroidkv.errors import refused_in_one_line  # noqa: E402
 from centroidkv.models.loading import EMBEDDED_MODEL  # noqa: E402
 from centroidkv.plan.decoding import needs_of, prefill  # noqa: E402
 from eval.text import essay_text  # noqa: E402
@@ -46,13 +48,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        budgets = [check_budget(float(b)) for b in args.budgets.split(",")]
+        if args.length < 2 or args.repeats < 1 or args.threads < 1:
+            raise ValueError("--length must be >= 2, --repeats and --threads >= 1")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(EMBEDDED_MODEL)
     ids = tokenizer(essay_text(args.length), return_tensors="pt").input_ids[:, : args.length]
     methods = {name: get_method("centroidkv", **params) for name, params in CONFIGS.items()}
     prefilled = prefill(model, ids, 0, needs=needs_of(methods.values()))
     print(f"{ids.shape[1]} tokens, prefill {prefilled.seconds:.2f} s, {args.threads} threads\n")
-    budgets = [float(b) for b in args.budgets.split(",")]
     times: dict[tuple[str, float], list[float]] = {}
     ratios: dict[tuple[str, float], float] = {}
     for _ in range(args.repeats):  # configurations interleaved, so a busy machine slows them alike

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from centroidkv.cache.quantization import PRECISIONS
 from centroidkv.csm import csm_round
+from centroidkv.errors import refused_in_one_line
 from centroidkv.methods import LayerKV
 from centroidkv.models.loading import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 from eval.text import NOISE
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), help=", ".join(PRECISIONS))
     parser.add_argument("--skip-precision", action="store_true")
     args = parser.parse_args(argv)
-    try:  # validate everything before a model loads
+    with refused_in_one_line(parser):  # everything is checked before a model loads
         check_model_name(args.model)
         unknown = sorted(set(args.precisions) - set(PRECISIONS))
         if unknown:
@@ -72,8 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError("budgets must be fractions in (0, 1]")
         if args.new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2 (the first step is a warm-up)")
-    except ValueError as error:
-        parser.exit(2, f"bench_decode: error: {error}\n")
     return args
 
 

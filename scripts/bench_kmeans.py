@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
 from centroidkv.cache.cache import causal_allowed
+from centroidkv.errors import refused_in_one_line
 from centroidkv.methods import LayerKV, LayerStats
 from centroidkv.models.loading import EMBEDDED_MODEL
 from centroidkv.needs import query_window
@@ -51,8 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-error", action="store_true")
     args = parser.parse_args(argv)
-    if any(n < 512 for n in args.lengths) or not 0 < args.ratio < 1 or args.iterations < 1:
-        parser.error("lengths must be >= 512, ratio in (0, 1), iterations >= 1")
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        if any(n < 512 for n in args.lengths) or not 0 < args.ratio < 1:
+            raise ValueError("--lengths must be >= 512 and --ratio in (0, 1)")
+        if min(args.iterations, args.repeats, args.threads, args.queries) < 1:
+            raise ValueError("--iterations, --repeats, --threads and --queries must be >= 1")
+        if args.prompt_tokens <= args.queries:
+            raise ValueError("--prompt-tokens must exceed --queries (the queries compared are its last)")
     return args
 
 

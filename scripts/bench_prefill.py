@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from centroidkv.errors import first_line
+from centroidkv.errors import refused_in_one_line
 from centroidkv.models.loading import check_model_name
 from eval.machine_load import machine_load
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave malloc as glibc sets it (jobs keep their freed memory: centroidkv.plan.heap)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args(argv)
-    try:  # everything is checked before a model loads
+    with refused_in_one_line(parser):  # everything is checked before a model loads
         check_model_name(args.model)
         if any(length < 2 for length in args.lengths):
             raise ValueError(f"--lengths must be at least 2 tokens, got {args.lengths}")
@@ -63,8 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = sorted(set(args.needs) - set(method_names()))
         if unknown:
             raise ValueError(f"--needs: unknown method(s) {', '.join(unknown)}")
-    except ValueError as error:
-        parser.exit(2, f"bench_prefill.py: error: {first_line(error)}\n")
     return args
 
 

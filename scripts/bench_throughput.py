@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from centroidkv.errors import refused_in_one_line
 from centroidkv.models.loading import EMBEDDED_MODEL, MODEL_NAMES, check_model_name
 
 DEFAULT_RUNS = ("full:1", "centroidkv:0.5", "centroidkv:0.25", "streaming_llm:0.25")
@@ -66,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU threads (on a shared CPU, 2 spinning threads can be 20x slower)",
     )
     args = parser.parse_args(argv)
-    try:  # validate everything before a model loads
+    with refused_in_one_line(parser):  # everything is checked before a model loads
         check_model_name(args.model)
         known = method_names()
         runs = []
@@ -85,8 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError("--length must be >= 256 and --new-tokens >= 3")
         if args.full_batch < 1 or args.max_batch < 1 or (args.cap_mib is not None and args.cap_mib <= 0):
             raise ValueError("--full-batch, --max-batch and --cap-mib must be positive")
-    except ValueError as error:
-        parser.exit(2, f"bench_throughput: error: {error}\n")
     return args
 
 

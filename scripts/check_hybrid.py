@@ -27,6 +27,15 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="greedy decode steps compared")
     args = parser.parse_args()
+    from centroidkv.cache.budget import check_budget
+    from centroidkv.errors import refused_in_one_line
+    from centroidkv.models.loading import check_model_name
+
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        check_model_name(args.model)
+        check_budget(args.budget)
+        if args.tokens < 2 or args.steps < 1:
+            raise ValueError(f"--tokens must be >= 2 and --steps >= 1, got {args.tokens} and {args.steps}")
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 

@@ -34,13 +34,15 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from centroidkv import get_method, load_model  # noqa: E402
+from centroidkv.cache.budget import check_budget  # noqa: E402
+from centroidkv.errors import refused_in_one_line  # noqa: E402
 from centroidkv.models.loading import EMBEDDED_MODEL  # noqa: E402
 from centroidkv.needs import RECORDERS, Need, Recorder  # noqa: E402
 from centroidkv.plan.decoding import generate_from, needs_of, prefill  # noqa: E402
 from eval.benchmarks.ruler import needles  # noqa: E402
 from eval.benchmarks.ruler.constants import TASKS  # noqa: E402
 from eval.benchmarks.ruler.scoring import string_match_all  # noqa: E402
-from eval.benchmarks.ruler.tasks import generate_samples  # noqa: E402
+from eval.benchmarks.ruler.tasks import MIN_LENGTH, generate_samples  # noqa: E402
 from eval.samples import encode_prompt  # noqa: E402
 
 NEEDLE = Need("needle")
@@ -112,7 +114,9 @@ def needle_fate(cache, n_marked: int) -> torch.Tensor:
 def parse_params(text: str) -> dict:
     params = {}
     for item in filter(None, text.split(",")):
-        key, value = item.split("=")
+        key, equals, value = item.partition("=")
+        if not equals:
+            raise ValueError(f"a parameter is key=value, got {item!r}")
         for cast in (int, float):
             with contextlib.suppress(ValueError):
                 value = cast(value)
@@ -121,7 +125,7 @@ def parse_params(text: str) -> dict:
     return params
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--length", type=int, default=4096)
@@ -130,7 +134,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--best", default="similarity=pre_rope", help="CentroidKV params of 'best' (k=v,...)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
-    return parser.parse_args()
+    return parser, parser.parse_args()
 
 
 Key = tuple[str, str, float]  # (value kind, configuration, budget)
@@ -205,16 +209,25 @@ def print_scores(found: Findings, configs: dict, budgets: list[float]) -> None:
         print(f"| {kind} ({min(tokens)}-{max(tokens)}) | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    budgets = [float(b) for b in args.budgets.split(",")]
+def checked_configs(args: argparse.Namespace) -> tuple[dict, list[float]]:
+    """The configurations and budgets of the command line; ValueError (one line) for bad ones."""
+    budgets = [check_budget(float(b)) for b in args.budgets.split(",")]
+    if args.samples < 1 or args.length < MIN_LENGTH or args.threads < 1:
+        raise ValueError(f"--samples and --threads must be >= 1 and --length >= {MIN_LENGTH}")
     configs = {
         "full": get_method("full"),
         "default": get_method("centroidkv", **parse_params(args.default)),
         "best": get_method("centroidkv", **parse_params(args.best)),
         "streaming_llm": get_method("streaming_llm"),
     }
+    return configs, budgets
+
+
+def main() -> None:
+    parser, args = parse_args()
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        configs, budgets = checked_configs(args)
+    torch.set_num_threads(args.threads)
     found = run_prompts(args, configs, budgets)
     print_fate(found, configs, budgets)
     print_scores(found, configs, budgets)

@@ -12,8 +12,12 @@ import json
 
 import torch
 
-from centroidkv.models.loading import EMBEDDED_MODEL
+from centroidkv.cache.budget import check_budget
+from centroidkv.errors import refused_in_one_line
+from centroidkv.methods import method_names
+from centroidkv.models.loading import EMBEDDED_MODEL, check_model_name
 from centroidkv.plan.timing import Timer
+from eval.benchmarks.ruler.tasks import MIN_LENGTH
 
 
 def measure_prefill_sharing(
@@ -38,20 +42,17 @@ def measure_prefill_sharing(
     from eval.samples import encode_prompt
 
     model, tokenizer = load_model(model_name)
-    if methods is None:  # every registered method
-        from centroidkv.methods import method_names
-
-        methods = tuple(method_names())
+    methods = tuple(method_names()) if methods is None else methods  # default: every registered method
     specs = tuple(MethodSpec(m, 1.0 if m == "full" else budget) for m in methods)
     bench = Ruler(tasks=(task,), lengths=(length,), n_samples=1)
     sample = bench.samples(tokenizer)[0]
-    evaluator = Evaluator(model, tokenizer, specs, bench)
+    evaluator = Evaluator(model, tokenizer, specs, bench, decode_batch=1)  # each fork's decode timed alone
     evaluator.warm_up()
     head, _ = encode_prompt(sample, tokenizer, context_only=False)
-    timer = Timer(evaluator.device)
+    timer = Timer(model.device)
     with torch.inference_mode(), timer.span() as plain:
         model(
-            evaluator.ids(head),
+            torch.tensor([head], device=model.device),
             past_key_values=CompressedCache("full", 1.0, max_new_tokens),
             logits_to_keep=1,
         )
@@ -59,7 +60,7 @@ def measure_prefill_sharing(
         records = evaluator.run_sample(sample, list(specs), max_new_tokens)
     failed = [r["method"] for r in records if r["status"] != "ok"]
     ok = [r for r in records if r["status"] == "ok"]
-    decode = sum(r["decode_s"] for r in ok)
+    decode = sum(r["decode_s"] or 0.0 for r in ok)  # None: the answer ended after its first token
     compress = sum(r["compress_s"] for r in ok)
     return dict(
         model=model_name,
@@ -88,12 +89,25 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", default=None, help="comma-separated names; default: every registered method"
     )
     args = parser.parse_args(argv)
+    methods = tuple(args.methods.split(",")) if args.methods else None
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        check_model_name(args.model)
+        check_budget(args.budget)
+        unknown = sorted(set(methods or ()) - set(method_names()))
+        if unknown:
+            raise ValueError(
+                f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(method_names())}"
+            )
+        if args.length < MIN_LENGTH:
+            raise ValueError(
+                f"--length must be at least {MIN_LENGTH} tokens (a RULER prompt), got {args.length}"
+            )
+        if args.max_new_tokens < 2:
+            raise ValueError(
+                f"--max-new-tokens must be at least 2 (a decode step to time), got {args.max_new_tokens}"
+            )
     result = measure_prefill_sharing(
-        args.model,
-        args.length,
-        budget=args.budget,
-        methods=tuple(args.methods.split(",")) if args.methods else None,
-        max_new_tokens=args.max_new_tokens,
+        args.model, args.length, budget=args.budget, methods=methods, max_new_tokens=args.max_new_tokens
     )
     print(json.dumps(result, indent=2))
     return 0

@@ -18,30 +18,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from centroidkv.errors import refused_in_one_line
+from centroidkv.models.loading import check_model_name, load_model
 from centroidkv.models.model_names import EMBEDDED_MODEL
 from eval.benchmarks.ruler import OFFLINE_TASKS, generate_samples
 from eval.benchmarks.ruler.scoring import ruler_score
+from eval.benchmarks.ruler.tasks import check_arguments
 from eval.common import write_jsonl
-
-
-def load(name: str):
-    """The model through centroidkv (full cache); plain transformers from the converted checkpoint if that fails."""
-    try:
-        from centroidkv.models.loading import load_model
-
-        model, tok = load_model(name, device="cpu", dtype=torch.float32)
-        return model, tok, "centroidkv.models.loading.load_model"
-    except Exception as error:  # the module may be mid-edit by someone else
-        print(
-            f"centroidkv.models.loading.load_model failed ({type(error).__name__}: {error}); using transformers"
-        )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = Path.home() / ".cache" / "centroidkv" / name
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=False
-        ).eval()
-        return model, AutoTokenizer.from_pretrained(path, trust_remote_code=False), "transformers sdpa"
 
 
 def prompt_ids(tok, sample: dict) -> torch.Tensor:
@@ -85,11 +68,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="results/ruler_full_baseline")
     args = parser.parse_args()
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        check_model_name(args.model)
+        for task in args.tasks:
+            check_arguments(task, args.length, args.n, "test")
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    model, tok, how = load(args.model)
+    model, tok = load_model(args.model, device="cpu", dtype=torch.float32)
     stops = stop_ids(tok)
-    print(f"model {args.model} via {how}; stop tokens {stops}; {args.threads} thread(s)")
+    print(f"model {args.model}; stop tokens {stops}; {args.threads} thread(s)")
     records, table = [], {}
     for task in args.tasks:
         samples = generate_samples(task, args.length, tok, args.n, seed=args.seed)

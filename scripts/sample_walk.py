@@ -133,7 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--show", action="store_true", help="print the stays and the climbs")
     args = parser.parse_args(argv)
+    from centroidkv.cache.budget import check_budget
+    from centroidkv.errors import refused_in_one_line
+    from centroidkv.methods import method_names
     from tests.test_import_cycles import import_graph
+
+    with refused_in_one_line(parser):  # everything is checked before a model is built
+        check_budget(args.budget)
+        unknown = sorted(set(args.methods.split(",")) - set(method_names()))
+        if unknown:
+            raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)}")
 
     action = one_sample(args.methods.split(","), args.budget)
     records = []

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from centroidkv.calibrate import head_file_for
+from centroidkv.errors import refused_in_one_line
 from centroidkv.methods import get_method
 from centroidkv.models.loading import load_model
 from centroidkv.plan.plan import Prompt, Run, run
@@ -28,10 +29,13 @@ MODEL = Path(os.environ.get("CENTROIDKV_CACHE", Path.home() / ".cache" / "centro
 
 
 def read_result(path: str) -> dict:
-    for line in Path(path).read_text().splitlines():
+    """The plugin's result (its CENTROIDKV_RESULT line); ValueError (one line) when there is none."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
+    for line in Path(path).read_text(errors="replace").splitlines():
         if line.startswith("CENTROIDKV_RESULT "):
             return json.loads(line.split(" ", 1)[1])
-    raise SystemExit(f"{path}: no CENTROIDKV_RESULT line")
+    raise ValueError(f"{path}: no CENTROIDKV_RESULT line")
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -97,7 +101,10 @@ def main() -> None:
         return
     if args.result is None:
         parser.error("the plugin's result file is needed (or --write-prompts)")
-    plugin = read_result(args.result)
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        plugin = read_result(args.result)
+        if args.prompts and not Path(args.prompts).is_file():
+            raise ValueError(f"--prompts {args.prompts}: no such file")
     prompt_info = json.loads(Path(args.prompts).read_text())["prompts"] if args.prompts else None
     budget = plugin["budget"] or 1.0
     model, tokenizer = load_model(str(MODEL), dtype=getattr(torch, args.dtype))
