@@ -39,6 +39,7 @@ PUBLISHED = [
     ("docs/results.md", "RULER, the 5 reproduce tasks. Score", "results/precision.jsonl.gz"),
     ("docs/results.md", "*Table: SmolLM2-135M in bf16, RULER 4k, test split, 25 samples per cell, rerun", "results/precision-avx512.jsonl.gz"),
     ("docs/results.md", "NIAH (one needle at depths", "results/precision_niah.jsonl.gz"),
+    ("docs/results.md", "*Table: SmolLM2-135M in bf16, NIAH 4k, test split, 9 samples per cell, rerun", "results/precision_niah-avx512.jsonl.gz"),
     ("docs/results.md", "## CentroidKV's merge fraction r_init", "results/sweep_r.jsonl.gz"),
 ]  # fmt: skip
 
