@@ -5,7 +5,7 @@
 DIR (default `results`) is a results folder (`<DIR>/<experiment>/<job>/`), one experiment's folder,
 or one job's folder; in a results folder, the jobs of each compact records file too
 (`<DIR>/<name>.jsonl.gz`, what `make published` makes its tables and figures from), with the status
-`published` and the folder of its tables (or `compact` before `make published`). Each job shows its experiment and job name, its methods (variants) each with
+`published` and the folder of its tables (or `compact` and the file's name before `make published`). Each job shows its experiment and job name, its methods (variants) each with
 the mean score of its records that succeeded at each budget (`snapkv 0.0@0.25 33.3@0.5`; the full
 cache first), the parameters that set what
 its numbers mean (model, benchmark, split, samples per task, budget unit), the budgets of its
@@ -85,7 +85,7 @@ def summarize(job_dir: Path) -> JobSummary:
 
 def compact_jobs(root: Path) -> list[JobSummary]:
     """The jobs of each compact records file directly in `root` (`<root>/<name>.jsonl.gz`), each with
-    the status `published (<its tables folder>)` once `make published` wrote it, else `compact`. A
+    the status `published (<its tables folder>)` once `make published` wrote it, else `compact (<file>)`. A
     file that is not a compact records file is one line on stderr, and left out."""
     jobs = []
     for compact in sorted(root.glob(f"*{SUFFIX}")):
@@ -95,7 +95,8 @@ def compact_jobs(root: Path) -> list[JobSummary]:
             print(f"[results] skipped: {error}", file=sys.stderr)
             continue
         tables = root / compact.name.removesuffix(SUFFIX) / "tables"
-        status = f"published ({tables})" if tables.is_dir() else "compact"
+        # the file's name: two files may hold the same job (a study rerun on another CPU)
+        status = f"published ({tables})" if tables.is_dir() else f"compact ({compact.name})"
         by_job: dict[str, list[dict[str, Any]]] = {}
         for record in records:
             by_job.setdefault(f"{record['experiment']}/{record['job']}", []).append(record)

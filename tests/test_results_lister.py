@@ -127,7 +127,7 @@ def test_the_lister_never_imports_torch_once_the_schema_is_cached(tmp_path):
 def test_the_lister_lists_every_job_of_the_compact_files_before_and_after_make_published(tmp_path, capsys):
     """Issue 54, item 2. Before: after `rm -rf results/*/ && make published`, `python -m eval.results`
     said "no jobs under results": it read job folders only. Now each compact file's jobs are listed,
-    `compact` until `make published` wrote their tables, then `published (<tables folder>)`; a job
+    `compact (<file>)` until `make published` wrote their tables, then `published (<tables folder>)`; a job
     folder of the same job is listed once, from its own records."""
     from scripts.compact_records import main as compact_main
 
@@ -140,7 +140,8 @@ def test_the_lister_lists_every_job_of_the_compact_files_before_and_after_make_p
         ["reproduce_ruler_cpu", "ruler-9methods-0.125+0.25+0.5+0.75-a03441"],
         ["tiny_example", "toy-3methods-0.25+0.5-11e91c"],
     ]
-    assert all(line.endswith("compact") for line in lines)
+    assert lines[0].endswith("compact (reproduce_ruler_cpu.jsonl.gz)")
+    assert lines[1].endswith("compact (tiny_example.jsonl.gz)")
     assert "full 63.0, centroidkv 69.0@0.125 65.0@0.25 62.0@0.5 65.0@0.75" in lines[0]
     assert compact_main(["tables", *map(str, sorted(tmp_path.glob("*.jsonl.gz"))), "--no-figures"]) == 0
     capsys.readouterr()
