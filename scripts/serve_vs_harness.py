@@ -83,7 +83,9 @@ def answer_of(tokenizer, prompt: dict, tokens: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("result", nargs="?", help="the plugin's output (a CENTROIDKV_RESULT line)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", action="store_true", help="also one SERVE_VS_HARNESS line of JSON")
