@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,7 +79,9 @@ def main() -> None:
     print(f"{ids.shape[1]} tokens, prefill {prefilled.seconds:.2f} s, {args.threads} threads\n")
     times: dict[tuple[str, float], list[float]] = {}
     ratios: dict[tuple[str, float], float] = {}
-    for _ in range(args.repeats):  # configurations interleaved, so a busy machine slows them alike
+    for _ in tqdm(
+        range(args.repeats), desc="repeats"
+    ):  # configurations interleaved, so a busy machine slows them alike
         for name, method in methods.items():
             for budget in budgets:
                 start = time.perf_counter()

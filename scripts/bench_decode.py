@@ -31,6 +31,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from centroidkv.cache.quantization import PRECISIONS
 from centroidkv.csm import csm_round
@@ -133,7 +134,7 @@ def decode_table(args: argparse.Namespace) -> None:
     )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
-    for length in args.lengths:
+    for length in tqdm(args.lengths, desc="decode", unit="length"):
         if tokenizer is None:
             ids = torch.randint(3, model.config.vocab_size, (1, length))
         else:
@@ -186,7 +187,7 @@ def precision_table(args: argparse.Namespace) -> None:
     )
     print("| n | precision | TPOT ms | TPOT ratio | KV MiB | KV ratio | allocated ratio |")
     print("|---|---|---|---|---|---|---|")
-    for length in args.precision_lengths:
+    for length in tqdm(args.precision_lengths, desc="precision", unit="length"):
         if tokenizer is None:
             ids = torch.randint(3, model.config.vocab_size, (1, length))
         else:
@@ -232,7 +233,7 @@ def csm_table(args: argparse.Namespace) -> None:
     print("|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     points = []
-    for n in args.csm_lengths:
+    for n in tqdm(args.csm_lengths, desc="CSM", unit="length"):
         keys = torch.randn(1, args.kv_heads, n, args.head_dim, generator=gen)
         kv = LayerKV(keys, torch.randn_like(keys), torch.zeros(1, args.kv_heads, n))
         csm_s = best_time(lambda kv=kv, n=n: csm_round(kv, n // 4, 256))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from baselines.kmeans import kmeans_compress
 from centroidkv import CompressedCache, get_method, load_model
@@ -103,7 +104,7 @@ def timing_table(args: argparse.Namespace) -> list[dict]:
     }
     rotary = rotary_embedding(args.head_dim)
     rows = []
-    for n in args.lengths:
+    for n in tqdm(args.lengths, desc="clustering", unit="length"):
         keys = correlated_keys(args.kv_heads, n, args.head_dim)
         positions = torch.arange(n, dtype=torch.float32).expand(keys.shape[:3]).contiguous()
         kv = LayerKV(keys, torch.randn_like(keys), torch.zeros(keys.shape[:3]), {"position": positions})

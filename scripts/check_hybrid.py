@@ -37,6 +37,7 @@ def main() -> None:
         if args.tokens < 2 or args.steps < 1:
             raise ValueError(f"--tokens must be >= 2 and --steps >= 1, got {args.tokens} and {args.steps}")
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from centroidkv import CompressedCache, get_method, load_model
@@ -70,7 +71,7 @@ def main() -> None:
             {layer.main.length for index, layer in enumerate(ours_cache.layers) if index in windows}
         )
         print(f"window layers keep {kept} entries; full cache KV ratio {ours_cache.kv_ratio():.3f}")
-        for name in ("centroidkv", "snapkv", "streaming_llm"):
+        for name in tqdm(("centroidkv", "snapkv", "streaming_llm"), desc="methods"):
             cache = CompressedCache(get_method(name, heads="none"), args.budget, args.steps)
             try:
                 model(ids, past_key_values=cache)

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from centroidkv.calibrate import head_file_for
 from centroidkv.errors import refused_in_one_line
@@ -116,7 +117,8 @@ def main() -> None:
     method = config.method()  # the plugin's method, as it ran
     runs = [Run(get_method("full"), 1.0), Run(method, budget)]
     compared = []
-    for index, (ids, tokens) in enumerate(zip(plugin["prompt_ids"], plugin["tokens"])):
+    pairs = list(zip(plugin["prompt_ids"], plugin["tokens"]))
+    for index, (ids, tokens) in enumerate(tqdm(pairs, desc="prompts", unit="prompt")):
         prompt = Prompt(prefilled=ids, fed=[], context=ids, question=[])
         outcomes = run(model, prompt, runs, len(tokens), eos_token_ids=set(), budget_unit=config.budget_unit)
         row = {"prompt_tokens": len(ids), "new_tokens": len(tokens)}
