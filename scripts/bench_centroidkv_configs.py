@@ -79,9 +79,8 @@ def main() -> None:
     print(f"{ids.shape[1]} tokens, prefill {prefilled.seconds:.2f} s, {args.threads} threads\n")
     times: dict[tuple[str, float], list[float]] = {}
     ratios: dict[tuple[str, float], float] = {}
-    for _ in tqdm(
-        range(args.repeats), desc="repeats"
-    ):  # configurations interleaved, so a busy machine slows them alike
+    # configurations interleaved, so a busy machine slows them alike
+    for _ in tqdm(range(args.repeats), desc="repeats"):
         for name, method in methods.items():
             for budget in budgets:
                 start = time.perf_counter()

@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, checked before a model loads (a bad value: one line, exit status 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--tokens", type=int, default=4000, help="prompt tokens (several windows long)")
@@ -36,6 +37,11 @@ def main() -> None:
         check_budget(args.budget)
         if args.tokens < 2 or args.steps < 1:
             raise ValueError(f"--tokens must be >= 2 and --steps >= 1, got {args.tokens} and {args.steps}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, DynamicCache

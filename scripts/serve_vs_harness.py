@@ -83,7 +83,9 @@ def answer_of(tokenizer, prompt: dict, tokens: list[int]) -> dict:
     return {"text": text, "found": ruler_score(prompt["task"], text, prompt["answers"]) == 100}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; unless it only writes prompts, `plugin` holds the plugin's result, read and
+    checked before a model loads (a bad file: one line, exit status 2)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -97,17 +99,25 @@ def main() -> None:
     parser.add_argument("--prompts", help="the prompt file the plugin ran: needle answers compared")
     args = parser.parse_args()
     if args.write_prompts:
+        return args
+    if args.result is None:
+        parser.error("the plugin's result file is needed (or --write-prompts)")
+    with refused_in_one_line(parser):  # everything is checked before a model loads
+        args.plugin = read_result(args.result)
+        if args.prompts and not Path(args.prompts).is_file():
+            raise ValueError(f"--prompts {args.prompts}: no such file")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.write_prompts:
         from centroidkv.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(str(MODEL))
         write_prompts(args.write_prompts, tokenizer, args.documents, args.document_tokens, args.needle_length)
         return
-    if args.result is None:
-        parser.error("the plugin's result file is needed (or --write-prompts)")
-    with refused_in_one_line(parser):  # everything is checked before a model loads
-        plugin = read_result(args.result)
-        if args.prompts and not Path(args.prompts).is_file():
-            raise ValueError(f"--prompts {args.prompts}: no such file")
+    plugin = args.plugin
     prompt_info = json.loads(Path(args.prompts).read_text())["prompts"] if args.prompts else None
     budget = plugin["budget"] or 1.0
     model, tokenizer = load_model(str(MODEL), dtype=getattr(torch, args.dtype))
