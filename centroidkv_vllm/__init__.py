@@ -20,6 +20,13 @@ import sys
 BACKEND_PATH = "centroidkv_vllm.backend.CentroidBackend"
 # vLLM's `scheduler_cls` for the plugin: frees the blocks a request has merged (centroidkv_vllm.scheduler)
 SCHEDULER_PATH = "centroidkv_vllm.scheduler.CentroidScheduler"
+# vLLM's `kv_transfer_config` for the plugin: a connector that moves no KV and tells the worker which
+# blocks finished requests gave back, so their states and side stores go at once (centroidkv_vllm.connector)
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "ReleaseConnector",
+    "kv_connector_module_path": "centroidkv_vllm.connector",
+    "kv_role": "kv_producer",
+}
 
 
 def register() -> None:

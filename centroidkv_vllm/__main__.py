@@ -154,6 +154,7 @@ def llm_args(args: argparse.Namespace, longest_prompt: int = 0) -> dict:
     result["dtype"] = args.dtype
     if args.keep_blocks:
         result.pop("scheduler_cls", None)
+        result.pop("kv_transfer_config", None)  # its connector reads the released blocks off that scheduler
     if args.max_num_batched_tokens:
         result["max_num_batched_tokens"] = args.max_num_batched_tokens
     return result

@@ -40,7 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from centroidkv_vllm import SCHEDULER_PATH
+from centroidkv_vllm import KV_TRANSFER_CONFIG, SCHEDULER_PATH
 from centroidkv_vllm.compiled import compiled, decode_attention
 from centroidkv_vllm.config import config_of, refusal
 from centroidkv_vllm.heads import HeadLayout, SideStore, head_layout
@@ -84,6 +84,12 @@ class CentroidBuilder(CPUAttentionMetadataBuilder):
         logger.info("centroidkv: plugin on for layers %s..., %s", layer_names[:1], self.config)
         if str(vllm_config.scheduler_config.scheduler_cls) != SCHEDULER_PATH:
             logger.warning("centroidkv: merged blocks are not freed; pass scheduler_cls=%r", SCHEDULER_PATH)
+        connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+        if self.layout is not None and connector != KV_TRANSFER_CONFIG["kv_connector"]:
+            logger.warning(
+                "centroidkv: a finished request's side store stays until its blocks are reused; "
+                "pass kv_transfer_config=centroidkv_vllm.KV_TRANSFER_CONFIG"
+            )
 
     def _caches_bound(self) -> bool:
         """Whether vLLM has bound this group's caches (not yet in its profiling run)."""

@@ -62,6 +62,9 @@ class CentroidManager(FullAttentionManager):
         self.block_bytes = kv_cache_spec.block_bytes
         self.plans: dict[str, Plan] = {}
         self.freed_total = 0  # blocks returned to the pool before their request finished
+        # the ids of blocks given back by finished or preempted requests, for the worker; None unless
+        # the release connector (centroidkv_vllm.connector) drains it every step
+        self.released: list[int] | None = None
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -92,7 +95,10 @@ class CentroidManager(FullAttentionManager):
     def pop_blocks_for_free(self, request_id: str) -> list:
         """The request finished or was preempted: a resumed one is prefilled and planned again."""
         self.plans.pop(request_id, None)
-        return super().pop_blocks_for_free(request_id)
+        blocks = super().pop_blocks_for_free(request_id)
+        if self.released is not None:
+            self.released += [block.block_id for block in blocks if not block.is_null]
+        return blocks
 
 
 def centroid_kv_cache_config(

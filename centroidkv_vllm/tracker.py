@@ -10,7 +10,9 @@ A running request is known by the block that holds its last entry (after a step:
 position length - 1), looked up at its next step and re-keyed: a running request's blocks from its
 start on are its own (prefix caching, which would share them, is refused in `centroidkv_vllm.config`),
 while its first block may have been freed and given to another request. Its state is reset by its
-first prefill chunk (computed length 0).
+first prefill chunk (computed length 0). A finished or preempted request's state goes at the next
+step when the release connector is configured (`centroidkv_vllm.connector`: `forget_released`), else
+once another request of a step holds one of its blocks (`Tracker._drop_finished`).
 
 The tracker only decides: each step it gives every request's kept start and the compressions due
 (`Compression`), which the metadata builder hands to the attention as a `CompressionStep`. Each
@@ -23,6 +25,8 @@ centroids, `centroidkv.csm`) on the middle (arXiv 2506.11418, Sec. 3).
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +165,7 @@ class Tracker:
         self.method = config.method()
         self.states: dict[int, RequestState] = {}  # block holding the request's last entry -> state
         self.stores: list[SideStore | None] = []  # this step's side store of each request (or None)
+        TRACKERS.add(self)
 
     def plan_at(self, anchor: int) -> Plan:
         """The plan of a request anchored at `anchor` (`centroidkv_vllm.plan`, B in bytes with heads
@@ -218,6 +223,14 @@ class Tracker:
         for block in [block for block in self.states if block in held and block not in assigned]:
             del self.states[block]
 
+    def forget(self, block_ids: set[int]) -> int:
+        """Drop the states keyed by blocks the scheduler has given back (`centroidkv_vllm.connector`);
+        the number dropped."""
+        keys = [block for block in self.states if block in block_ids]
+        for block in keys:
+            del self.states[block]
+        return len(keys)
+
     def _state(self, row: Tensor, computed: int) -> RequestState:
         """A new state for a request's first chunk, else the one keyed by the block of its last entry."""
         if computed == 0:
@@ -227,3 +240,23 @@ class Tracker:
             logger.warning("centroidkv: no state for a request at length %d; started afresh", computed)
             return RequestState()
         return state
+
+
+# This process's trackers (one per KV cache group's metadata builder): the release connector reaches
+# them here, as vLLM builds the connector and the attention's builders apart.
+TRACKERS: weakref.WeakSet[Tracker] = weakref.WeakSet()
+
+
+def forget_released(block_ids: Iterable[int]) -> None:
+    """Every tracker of this process drops the states keyed by `block_ids` (given back by the scheduler:
+    their requests finished or were preempted)."""
+    block_ids = set(block_ids)
+    dropped = sum(tracker.forget(block_ids) for tracker in list(TRACKERS))
+    if dropped:
+        logger.debug("centroidkv: dropped the states of %d finished or preempted requests", dropped)
+
+
+def held_states() -> dict[str, int]:
+    """The request states and side stores this process's trackers hold (an engine in this process)."""
+    states = [state for tracker in list(TRACKERS) for state in tracker.states.values()]
+    return {"states": len(states), "side_stores": sum(state.store is not None for state in states)}

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from centroidkv_vllm import SCHEDULER_PATH
+from centroidkv_vllm import KV_TRANSFER_CONFIG, SCHEDULER_PATH
 
 
 @dataclass
@@ -39,14 +39,16 @@ class Trace:
     num_blocks: int = 0  # blocks in vLLM's KV pool (the null block included)
     block_bytes: int = 0  # bytes of one block over all layers
     freed_early: int = 0  # blocks the plugin's scheduler returned before their request finished
+    side_stores: list[int] = field(default_factory=list)  # side stores the worker holds after each step
     preemptions: int = 0
 
 
 def engine_args(
     model: str, settings: dict[str, Any] | None, kv_bytes: int, max_num_seqs: int, max_model_len: int
 ) -> dict[str, Any]:
-    """`LLM(...)` arguments: bf16, eager, no prefix caching; the plugin and its scheduler unless
-    `settings` is None (then the caller must also have set VLLM_PLUGINS="" for stock vLLM)."""
+    """`LLM(...)` arguments: bf16, eager, no prefix caching; the plugin, its scheduler and its release
+    connector unless `settings` is None (then the caller must also have set VLLM_PLUGINS="" for stock
+    vLLM)."""
     args: dict[str, Any] = {
         "model": model,
         "dtype": "bfloat16",
@@ -61,6 +63,7 @@ def engine_args(
     if settings is not None:
         args["additional_config"] = {"centroidkv": settings}
         args["scheduler_cls"] = SCHEDULER_PATH
+        args["kv_transfer_config"] = dict(KV_TRANSFER_CONFIG)
     return args
 
 
@@ -89,6 +92,8 @@ def add_requests(engine: Any, workload: Workload) -> None:
 
 def run(llm: Any, workload: Workload) -> Trace:
     """Add every request, step the engine until all are done, and record each step."""
+    from centroidkv_vllm.tracker import held_states
+
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
     pool = scheduler.kv_cache_manager.block_pool
@@ -114,6 +119,7 @@ def run(llm: Any, workload: Workload) -> Trace:
         trace.step_prefill.append(prefill)
         trace.running.append(len(scheduler.running))
         trace.free_blocks.append(pool.get_num_free_blocks())
+        trace.side_stores.append(held_states()["side_stores"])  # the worker runs in this process
         waiting = {r.request_id for r in scheduler.waiting if r.num_output_tokens > 0}
         trace.preemptions += len(waiting - preempted)  # back in the queue with tokens: preempted
         preempted = waiting
