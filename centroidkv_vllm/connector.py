@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from centroidkv_vllm.scheduler import CentroidManager
 from centroidkv_vllm.tracker import forget_released
 
 logger = logging.getLogger("vllm.centroidkv")
@@ -48,7 +49,7 @@ class ReleaseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.managers: list = []  # scheduler side: the plugin's managers, which list released blocks
+        self.managers: list[CentroidManager] = []  # scheduler side: they list the released blocks
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -56,8 +57,6 @@ class ReleaseConnector(KVConnectorBase_V1, SupportsHMA):
 
     # scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        from centroidkv_vllm.scheduler import CentroidManager
-
         super().bind_kv_cache_manager(kv_cache_manager)
         managers = kv_cache_manager.coordinator.single_type_managers
         self.managers = [manager for manager in managers if isinstance(manager, CentroidManager)]
