@@ -24,6 +24,7 @@ import importlib
 import pkgutil
 import sys
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
@@ -264,6 +265,16 @@ def method_names() -> list[str]:
     baselines included), in discovery order."""
     _load_all()
     return list(REGISTRY)
+
+
+def check_method_names(names: Iterable[str], option: str) -> None:
+    """ValueError (one line naming every unknown one, after `option`) unless all of `names` are
+    registered."""
+    unknown = sorted(set(names) - set(method_names()))
+    if unknown:
+        raise ValueError(
+            f"{option}: unknown method(s) {', '.join(unknown)}; choose from {', '.join(method_names())}"
+        )
 
 
 def method_class(name: str) -> type[Method]:

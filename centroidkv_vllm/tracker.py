@@ -220,8 +220,7 @@ class Tracker:
         that is not scheduled in this step keeps its blocks, so its key lies in no other request's
         range; a finished request's blocks went back to the pool, and its state (with its side store)
         goes once one of them holds another request's entries."""
-        for block in [block for block in self.states if block in held and block not in assigned]:
-            del self.states[block]
+        self.forget(held - assigned)
 
     def forget(self, block_ids: set[int]) -> int:
         """Drop the states keyed by blocks the scheduler has given back (`centroidkv_vllm.connector`);
@@ -256,7 +255,6 @@ def forget_released(block_ids: Iterable[int]) -> None:
         logger.debug("centroidkv: dropped the states of %d finished or preempted requests", dropped)
 
 
-def held_states() -> dict[str, int]:
-    """The request states and side stores this process's trackers hold (an engine in this process)."""
-    states = [state for tracker in list(TRACKERS) for state in tracker.states.values()]
-    return {"states": len(states), "side_stores": sum(state.store is not None for state in states)}
+def held_side_stores() -> int:
+    """The side stores this process's trackers hold (an engine in this process)."""
+    return sum(state.store is not None for tracker in list(TRACKERS) for state in tracker.states.values())

@@ -92,7 +92,7 @@ def add_requests(engine: Any, workload: Workload) -> None:
 
 def run(llm: Any, workload: Workload) -> Trace:
     """Add every request, step the engine until all are done, and record each step."""
-    from centroidkv_vllm.tracker import held_states
+    from centroidkv_vllm.tracker import held_side_stores
 
     engine = llm.llm_engine
     scheduler = scheduler_of(llm)
@@ -119,7 +119,7 @@ def run(llm: Any, workload: Workload) -> Trace:
         trace.step_prefill.append(prefill)
         trace.running.append(len(scheduler.running))
         trace.free_blocks.append(pool.get_num_free_blocks())
-        trace.side_stores.append(held_states()["side_stores"])  # the worker runs in this process
+        trace.side_stores.append(held_side_stores())  # the worker runs in this process
         waiting = {r.request_id for r in scheduler.waiting if r.num_output_tokens > 0}
         trace.preemptions += len(waiting - preempted)  # back in the queue with tokens: preempted
         preempted = waiting

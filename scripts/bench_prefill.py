@@ -58,11 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ValueError(f"--lengths must be at least 2 tokens, got {args.lengths}")
         if not 1 <= args.threads <= 256:
             raise ValueError(f"--threads must be 1..256, got {args.threads}")
-        from centroidkv.methods import method_names
+        from centroidkv.methods import check_method_names
 
-        unknown = sorted(set(args.needs) - set(method_names()))
-        if unknown:
-            raise ValueError(f"--needs: unknown method(s) {', '.join(unknown)}")
+        check_method_names(args.needs, "--needs")
     return args
 
 

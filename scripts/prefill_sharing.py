@@ -14,7 +14,7 @@ import torch
 
 from centroidkv.cache.budget import check_budget
 from centroidkv.errors import refused_in_one_line
-from centroidkv.methods import method_names
+from centroidkv.methods import check_method_names, method_names
 from centroidkv.models.loading import EMBEDDED_MODEL, check_model_name
 from centroidkv.plan.timing import Timer
 from eval.benchmarks.ruler.tasks import MIN_LENGTH
@@ -93,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     with refused_in_one_line(parser):  # everything is checked before a model loads
         check_model_name(args.model)
         check_budget(args.budget)
-        unknown = sorted(set(methods or ()) - set(method_names()))
-        if unknown:
-            raise ValueError(
-                f"--methods: unknown method(s) {', '.join(unknown)}; choose from {', '.join(method_names())}"
-            )
+        check_method_names(methods or (), "--methods")
         if args.length < MIN_LENGTH:
             raise ValueError(
                 f"--length must be at least {MIN_LENGTH} tokens (a RULER prompt), got {args.length}"

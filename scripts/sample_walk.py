@@ -135,14 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from centroidkv.cache.budget import check_budget
     from centroidkv.errors import refused_in_one_line
-    from centroidkv.methods import method_names
+    from centroidkv.methods import check_method_names
     from tests.test_import_cycles import import_graph
 
     with refused_in_one_line(parser):  # everything is checked before a model is built
         check_budget(args.budget)
-        unknown = sorted(set(args.methods.split(",")) - set(method_names()))
-        if unknown:
-            raise ValueError(f"--methods: unknown method(s) {', '.join(unknown)}")
+        check_method_names(args.methods.split(","), "--methods")
 
     action = one_sample(args.methods.split(","), args.budget)
     records = []

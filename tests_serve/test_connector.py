@@ -79,7 +79,7 @@ import json, sys
 from vllm import SamplingParams
 from centroidkv_vllm import workload
 from centroidkv_vllm.__main__ import DEFAULT_MODEL
-from centroidkv_vllm.tracker import held_states
+from centroidkv_vllm.tracker import held_side_stores
 
 settings = {"budget": 0.25, "max_new_tokens": 64, "compress_interval": 32, "heads": "whole"}
 args = {**workload.engine_args(str(DEFAULT_MODEL), settings, 100 << 20, 2, 1100), "dtype": "float32"}
@@ -93,7 +93,7 @@ for index, (prompt, new) in enumerate(zip(workload.document_prompts(llm.get_toke
 steps = []
 while engine.has_unfinished_requests():
     engine.step()
-    steps.append([len(scheduler.running), held_states()["side_stores"]])
+    steps.append([len(scheduler.running), held_side_stores()])
 print("STEPS " + json.dumps(steps))
 """
 
